@@ -1,0 +1,52 @@
+"""amesh: drive meshes of worker processes and actors from one async controller.
+
+The public API is re-exported here from private modules; the layers, lowest first:
+``_transport`` (frames between processes), ``_wire``/``_codec`` (envelopes, payloads),
+``_runtime`` (router, mailboxes, pending calls), then the user-facing model
+(``_actor``, ``_endpoint``, ``_actor_mesh``, ``_proc_mesh``) and ``_hosts`` (where
+processes come from). Lower layers never import higher ones.
+"""
+
+from __future__ import annotations
+
+from ._actor import Actor as Actor
+from ._actor import current_actor as current_actor
+from ._actor import current_rank as current_rank
+from ._actor import current_size as current_size
+from ._actor import endpoint as endpoint
+from ._actor_mesh import ActorMesh as ActorMesh
+from ._endpoint import MeshEndpoint as MeshEndpoint
+from ._errors import ActorError as ActorError
+from ._errors import ProtocolError as ProtocolError
+from ._errors import RemoteTraceback as RemoteTraceback
+from ._errors import SupervisionError as SupervisionError
+from ._hosts import LocalHost as LocalHost
+from ._hosts import this_host as this_host
+from ._proc_mesh import ProcMesh as ProcMesh
+from ._run import run as run
+from ._shape import Point as Point
+from ._shape import Shape as Shape
+from ._value_mesh import ValueMesh as ValueMesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Actor",
+    "ActorError",
+    "ActorMesh",
+    "LocalHost",
+    "MeshEndpoint",
+    "Point",
+    "ProcMesh",
+    "ProtocolError",
+    "RemoteTraceback",
+    "Shape",
+    "SupervisionError",
+    "ValueMesh",
+    "current_actor",
+    "current_rank",
+    "current_size",
+    "endpoint",
+    "run",
+    "this_host",
+]

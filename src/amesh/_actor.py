@@ -1,0 +1,130 @@
+"""Actors and endpoints as users write them, and the call context they can query."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, ParamSpec, TypeVar, overload
+
+from ._runtime._context import call_context
+from ._runtime._mailbox import Handler
+from ._shape import Point
+
+__all__ = [
+    "Actor",
+    "EndpointDescriptor",
+    "current_actor",
+    "current_rank",
+    "current_size",
+    "endpoint",
+    "handlers_of",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class EndpointDescriptor(Generic[P, R]):
+    """An ``@endpoint`` method. On an actor instance it is the plain method."""
+
+    def __init__(self, fn: Callable[..., Any], concurrent: bool = False) -> None:
+        if not callable(fn):
+            raise TypeError(f"@endpoint needs a function, got {fn!r}")
+        self.fn = fn
+        self.concurrent = concurrent
+        self.name = fn.__name__
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return self.fn.__get__(obj, owner)
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        return inspect.signature(self.fn)
+
+    def bind_check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise TypeError if ``(args, kwargs)`` do not fit the endpoint."""
+        try:
+            self.signature.bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"endpoint {self.name}(): {exc}") from None
+
+
+@overload
+def endpoint(fn: Callable[P, R], /) -> EndpointDescriptor[P, R]: ...
+@overload
+def endpoint(
+    *, concurrent: bool = False
+) -> Callable[[Callable[P, R]], EndpointDescriptor[P, R]]: ...
+def endpoint(fn: Any = None, /, *, concurrent: bool = False) -> Any:
+    """Mark an actor method as callable through a mesh.
+
+    Use bare (``@endpoint``) or with options (``@endpoint(concurrent=True)``). The
+    method may be sync or async. By default an actor handles one message at a time;
+    ``concurrent=True`` lets calls of this endpoint interleave at their ``await``s.
+    """
+    if fn is None:
+        return lambda f: EndpointDescriptor(f, concurrent)
+    return EndpointDescriptor(fn, concurrent)
+
+
+class Actor:
+    """Base class of actors.
+
+    Subclass it, mark methods with :func:`endpoint`, and spawn it with
+    ``await procs.spawn(name, Cls, *args)``. ``__init__`` runs on every rank before
+    the first message. Optional hooks: ``__cleanup__(self)`` (sync or async) runs when
+    the actor is stopped.
+    """
+
+    _amesh_endpoints: ClassVar[dict[str, EndpointDescriptor[Any, Any]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        eps: dict[str, EndpointDescriptor[Any, Any]] = {}
+        for klass in reversed(cls.__mro__):
+            for name, value in vars(klass).items():
+                if isinstance(value, EndpointDescriptor):
+                    eps[name] = value
+                elif name in eps:
+                    del eps[name]  # overridden by a plain attribute
+        cls._amesh_endpoints = eps
+
+
+def handlers_of(cls: type) -> dict[str, Handler]:
+    """The dispatch table of an actor class."""
+    eps: dict[str, EndpointDescriptor[Any, Any]] = getattr(cls, "_amesh_endpoints", {})
+    return {name: Handler(ep.fn, ep.concurrent) for name, ep in eps.items()}
+
+
+def _ctx() -> Any:
+    ctx = call_context.get()
+    if ctx is None:
+        raise RuntimeError(
+            "current_rank()/current_size()/current_actor() only work inside an actor's "
+            "endpoint or __init__"
+        )
+    return ctx
+
+
+def current_rank() -> Point:
+    """The point of this actor in the mesh (or slice) that sent the current message."""
+    point: Point = _ctx().point
+    return point
+
+
+def current_size() -> dict[str, int]:
+    """The sizes of the mesh (or slice) that sent the current message."""
+    return dict(_ctx().point.sizes)
+
+
+def current_actor() -> Actor:
+    """The actor instance handling the current message."""
+    actor: Actor = _ctx().actor
+    return actor

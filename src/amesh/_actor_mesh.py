@@ -1,0 +1,68 @@
+"""ActorMesh: a typed handle on one actor per rank of a process mesh."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ._endpoint import MeshEndpoint
+from ._shape import Shape
+from ._value_mesh import MeshView
+
+if TYPE_CHECKING:
+    from ._actor import Actor
+
+__all__ = ["ActorMesh"]
+
+A = TypeVar("A", bound="Actor")
+
+
+class ActorMesh(MeshView, Generic[A]):
+    """One actor per rank; endpoints are attributes: ``mesh.step.call(...)``.
+
+    Actor meshes can be passed in messages; a received mesh can be called but not
+    stopped (its owner keeps supervision).
+
+    Attributes:
+        name: the name given at spawn.
+        key: the unique routing key of this mesh.
+        actor_class: the class of the actors.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        key: str,
+        actor_class: type[A],
+        shape: Shape,
+        procs: tuple[str, ...],
+    ) -> None:
+        self.name = name
+        self.key = key
+        self.actor_class = actor_class
+        self._shape = shape
+        self._procs = procs
+
+    def _with_shape(self, shape: Shape) -> ActorMesh[A]:
+        return ActorMesh(self.name, self.key, self.actor_class, shape, self._procs)
+
+    def _targets(self) -> dict[int, str]:
+        procs = self._procs
+        return {rank: procs[slot] for rank, slot in enumerate(self._shape.slots)}
+
+    def __getattr__(self, name: str) -> MeshEndpoint[Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        eps = getattr(self.actor_class, "_amesh_endpoints", {})
+        desc = eps.get(name)
+        if desc is None:
+            raise AttributeError(
+                f"{self.actor_class.__qualname__} has no endpoint {name!r} "
+                f"(endpoints: {', '.join(sorted(eps)) or 'none'})"
+            )
+        return MeshEndpoint(self, desc)
+
+    def __repr__(self) -> str:
+        return f"<ActorMesh {self.name!r} of {self.actor_class.__qualname__} {self.sizes}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorMesh, (self.name, self.key, self.actor_class, self._shape, self._procs))

@@ -1,0 +1,191 @@
+"""Adverbs on a mesh endpoint: call, call_one, choose, stream, broadcast."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+
+from . import _codec, _wire
+from ._errors import ActorError, SupervisionError
+from ._runtime._runtime import Pending, Runtime, current_runtime
+from ._shape import Point, Shape
+from ._value_mesh import ValueMesh
+
+if TYPE_CHECKING:
+    from ._actor import EndpointDescriptor
+    from ._actor_mesh import ActorMesh
+
+__all__ = ["MeshEndpoint"]
+
+R = TypeVar("R")
+
+
+def _deadline(timeout: float | None) -> float:
+    if timeout is None:
+        return math.inf
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0, got {timeout}")
+    return anyio.current_time() + timeout
+
+
+async def _next(pending: Pending, deadline: float) -> tuple[int, bool, Any]:
+    if deadline == math.inf:
+        return await pending.next()
+    if pending.items:
+        return pending.items.popleft()
+    with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+        return await pending.next()
+
+
+class MeshEndpoint(Generic[R]):
+    """One endpoint of an actor mesh (or a slice of one)."""
+
+    def __init__(self, mesh: ActorMesh[Any], desc: EndpointDescriptor[Any, R]) -> None:
+        self._mesh = mesh
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self._mesh.name}.{self._desc.name} over {self._mesh.sizes}>"
+
+    def _encode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+        self._desc.bind_check(args, kwargs)
+        return _codec.dumps((args, kwargs))
+
+    def _raise(self, shape: Shape, rank: int, value: Any) -> None:
+        if isinstance(value, _wire.Error):
+            raise ActorError(
+                value.type_name,
+                value.message,
+                value.traceback,
+                self._mesh.name,
+                {**shape.coords(rank), "rank": rank},
+            )
+        if isinstance(value, SupervisionError):
+            raise SupervisionError(
+                f"{self._mesh.name}.{self._desc.name} at rank {rank}: {value.message}",
+                value.failures,
+            )
+        raise value
+
+    async def _gather(
+        self, rt: Runtime, targets: dict[int, str], shape: Shape, payload: bytes, deadline: float
+    ) -> AsyncGenerator[tuple[int, Any], None]:
+        pending = rt.open_call(self._mesh.key, targets)
+        done = False
+        try:
+            await rt.send_requests(
+                pending, self._desc.name, list(shape.labels), list(shape.sizes), payload
+            )
+            for _ in range(len(targets)):
+                rank, ok, value = await _next(pending, deadline)
+                if not ok:
+                    self._raise(shape, rank, value)
+                yield rank, _codec.loads(value)
+            done = True
+        finally:
+            rt.close_call(pending, cancel=not done)
+
+    async def call(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh[R]:
+        """Call every rank; returns their results as a :class:`ValueMesh`.
+
+        The first error cancels the rest of the call (locally and remotely).
+
+        Raises:
+            TypeError: the arguments do not fit the endpoint (nothing was sent), or
+                cannot be pickled.
+            ActorError: an endpoint raised.
+            SupervisionError: a rank's process or actor failed.
+            TimeoutError: ``timeout`` seconds passed.
+        """
+        payload = self._encode(args, kwargs)
+        deadline = _deadline(timeout)
+        rt = current_runtime()
+        mesh = self._mesh
+        shape = Shape(mesh.shape.labels, mesh.shape.sizes)
+        results: list[Any] = [None] * len(shape)
+        gen = self._gather(rt, mesh._targets(), shape, payload, deadline)
+        try:
+            async for rank, value in gen:
+                results[rank] = value
+        finally:
+            await gen.aclose()
+        return ValueMesh(shape, results)
+
+    async def call_one(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
+        """Call a mesh of exactly one rank and return its result.
+
+        Raises:
+            ValueError: the mesh does not have exactly one rank.
+            ActorError, SupervisionError, TimeoutError, TypeError: as :meth:`call`.
+        """
+        if len(self._mesh) != 1:
+            raise ValueError(
+                f"call_one needs a mesh of exactly one rank, {self._mesh.name} has "
+                f"{len(self._mesh)} ({self._mesh.sizes}); slice it or use call()"
+            )
+        result = await self.call(*args, timeout=timeout, **kwargs)
+        return result.item()
+
+    async def choose(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
+        """Call one rank: the one with the fewest calls in flight from this caller."""
+        payload = self._encode(args, kwargs)
+        deadline = _deadline(timeout)
+        rt = current_runtime()
+        mesh = self._mesh
+        targets = mesh._targets()
+        if not targets:
+            raise ValueError(f"{mesh.name} has no ranks to choose from")
+        live = {r: a for r, a in targets.items() if a not in rt.dead} or targets
+        load = {r: rt.inflight.get((a, mesh.key), 0) for r, a in live.items()}
+        least = min(load.values())
+        rank = random.choice([r for r, n in load.items() if n == least])
+        shape = Shape(mesh.shape.labels, mesh.shape.sizes)
+        gen = self._gather(rt, {rank: targets[rank]}, shape, payload, deadline)
+        try:
+            async for _, value in gen:
+                return value  # type: ignore[no-any-return]
+        finally:
+            await gen.aclose()
+        raise AssertionError("unreachable: a call to one rank yields once")
+
+    async def stream(
+        self, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> AsyncIterator[tuple[Point, R]]:
+        """Call every rank and yield ``(point, result)`` in arrival order.
+
+        Leaving the loop early cancels the ranks that have not answered.
+        """
+        payload = self._encode(args, kwargs)
+        deadline = _deadline(timeout)
+        rt = current_runtime()
+        mesh = self._mesh
+        shape = Shape(mesh.shape.labels, mesh.shape.sizes)
+        gen = self._gather(rt, mesh._targets(), shape, payload, deadline)
+        try:
+            async for rank, value in gen:
+                yield shape.point(rank), value
+        finally:
+            await gen.aclose()
+
+    async def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every rank without waiting for results.
+
+        Returns once the messages are handed to the transport (back-pressure). An
+        exception in the endpoint is a supervision failure reported to the owner.
+        """
+        payload = self._encode(args, kwargs)
+        rt = current_runtime()
+        mesh = self._mesh
+        shape = mesh.shape
+        await rt.send_casts(
+            mesh.key,
+            mesh._targets(),
+            self._desc.name,
+            list(shape.labels),
+            list(shape.sizes),
+            payload,
+        )

@@ -1,0 +1,81 @@
+"""The exceptions users see. Remote failures travel as data and are rebuilt here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["ActorError", "ProtocolError", "RemoteTraceback", "SupervisionError"]
+
+
+class RemoteTraceback(Exception):
+    """Carries the remote traceback text; set as ``ActorError.__cause__``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\n" + self.text.rstrip()
+
+
+class ActorError(Exception):
+    """An endpoint raised on a remote actor.
+
+    Attributes:
+        type_name: qualified name of the remote exception type.
+        message: ``str()`` of the remote exception.
+        traceback: the remote traceback, formatted.
+        actor: the name of the actor mesh that was called.
+        point: the coordinates of the failing rank in the mesh (or slice) that was
+            called, with ``"rank"``.
+    """
+
+    def __init__(
+        self,
+        type_name: str,
+        message: str,
+        traceback: str,
+        actor: str = "",
+        point: Mapping[str, int] | None = None,
+    ) -> None:
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        self.actor = actor
+        self.point = dict(point or {})
+        super().__init__(type_name, message, traceback, actor, point)
+        self.__cause__ = RemoteTraceback(traceback) if traceback else None
+
+    def __str__(self) -> str:
+        where = f" in actor {self.actor!r}" if self.actor else ""
+        at = ""
+        if self.point:
+            at = " at " + ", ".join(f"{k}={v}" for k, v in self.point.items())
+        return f"{self.type_name}: {self.message}{where}{at}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorError, (self.type_name, self.message, self.traceback, self.actor, self.point))
+
+
+class SupervisionError(Exception):
+    """A process or actor failed in a way that no reply can carry.
+
+    Raised for in-flight and later calls to the failed ranks, and at the exit of the
+    owning ``async with ProcMesh(...)`` block when nobody handled the failure.
+
+    Attributes:
+        failures: one human-readable description per failure.
+    """
+
+    def __init__(self, message: str, failures: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.failures = tuple(failures) or (message,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SupervisionError, (self.message, self.failures))
+
+
+class ProtocolError(Exception):
+    """A peer spoke a protocol version or frame this runtime does not understand."""

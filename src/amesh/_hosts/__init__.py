@@ -1,0 +1,7 @@
+"""Where processes come from: this machine now; host agents and SLURM later."""
+
+from __future__ import annotations
+
+from ._local import LocalHost, ProcHandle, this_host
+
+__all__ = ["LocalHost", "ProcHandle", "this_host"]

@@ -1,0 +1,161 @@
+"""Worker processes on this machine, started fresh (spawn + exec, never fork)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+from anyio.abc import Process
+
+from .. import _wire
+from .._errors import SupervisionError
+from .._runtime._runtime import Runtime
+
+if TYPE_CHECKING:
+    from .._proc_mesh import ProcMesh
+
+__all__ = ["LocalHost", "ProcHandle", "describe_exit", "this_host"]
+
+#: How long a worker may take from exec to listening.
+STARTUP_TIMEOUT = 60.0
+
+
+class Bootstrap(msgspec.Struct, frozen=True):
+    """What a worker needs to know at start, passed in ``AMESH_BOOTSTRAP``."""
+
+    parent: str
+    parent_pid: int
+    token: str
+    scheme: str
+    host: str
+    sys_path: list[str]
+
+
+def describe_exit(returncode: int) -> str:
+    """``"exited with code 3"`` or ``"was killed by SIGKILL"``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+class ProcHandle:
+    """One worker process: its address, pid and OS handle."""
+
+    def __init__(self, addr: str, pid: int, process: Process) -> None:
+        self.addr = addr
+        self.pid = pid
+        self.process = process
+        self.expected_exit = False
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    async def stop(self, grace: float) -> None:
+        """Wait ``grace`` seconds for a requested exit, then terminate, then kill."""
+        proc = self.process
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(grace):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.terminate()
+                with anyio.move_on_after(2.0):
+                    await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await proc.aclose()
+
+
+class LocalHost:
+    """This machine. ``spawn_procs`` gives a :class:`~amesh.ProcMesh` on it."""
+
+    def __repr__(self) -> str:
+        return "<LocalHost>"
+
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, **kwargs: Any) -> ProcMesh:
+        """A :class:`~amesh.ProcMesh` of processes on this host; enter it to start them."""
+        from .._proc_mesh import ProcMesh
+
+        return ProcMesh(per_host, host=self, **kwargs)
+
+    async def start_proc(
+        self, rt: Runtime, scheme: str, host: str, env: Mapping[str, str] | None = None
+    ) -> ProcHandle:
+        """Start one worker and wait until it listens.
+
+        Raises:
+            SupervisionError: it exited, or did not report in time.
+        """
+        token = uuid.uuid4().hex
+        ready = anyio.Event()
+        box: list[_wire.Ready] = []
+
+        def on_ready(msg: _wire.Ready) -> None:
+            box.append(msg)
+            ready.set()
+
+        rt.ready_waiters[token] = on_ready
+        boot = Bootstrap(rt.address, os.getpid(), token, scheme, host, list(sys.path))
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env["AMESH_BOOTSTRAP"] = msgspec.json.encode(boot).decode()
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            process = await anyio.open_process(
+                [sys.executable, "-m", "amesh._worker"],
+                stdin=subprocess.PIPE,
+                stdout=None,
+                stderr=None,
+                env=child_env,
+            )
+        except BaseException:
+            rt.ready_waiters.pop(token, None)
+            raise
+        exited = anyio.Event()
+        try:
+            with anyio.move_on_after(STARTUP_TIMEOUT):
+                async with anyio.create_task_group() as tg:
+
+                    async def watch() -> None:
+                        await process.wait()
+                        exited.set()
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(watch)
+                    await ready.wait()
+                    tg.cancel_scope.cancel()
+            if not box:
+                if exited.is_set():
+                    why = describe_exit(process.returncode or 0)
+                else:
+                    why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
+                raise SupervisionError(f"worker process {process.pid} {why} while starting")
+        except BaseException:
+            rt.ready_waiters.pop(token, None)
+            with anyio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.kill()
+                await process.wait()
+                await process.aclose()
+            raise
+        return ProcHandle(box[0].addr, box[0].pid, process)
+
+
+_THIS_HOST = LocalHost()
+
+
+def this_host() -> LocalHost:
+    """The local machine."""
+    return _THIS_HOST

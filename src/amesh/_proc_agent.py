@@ -1,0 +1,63 @@
+"""The system actor that every worker process runs: spawns and stops user actors."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import anyio
+
+from . import _codec
+from ._actor import Actor, endpoint, handlers_of
+from ._runtime._context import CallContext, call_context
+from ._runtime._mailbox import ActorInstance
+from ._runtime._runtime import current_runtime
+
+__all__ = ["AGENT_KEY", "ProcAgent"]
+
+AGENT_KEY = "_proc"
+log = logging.getLogger("amesh.proc")
+
+
+class ProcAgent(Actor):
+    """Lives under :data:`AGENT_KEY` in every worker."""
+
+    def __init__(self, shutdown: anyio.Event) -> None:
+        self._shutdown = shutdown
+
+    @endpoint
+    def spawn_actor(self, key: str, name: str, payload: bytes, owner: str) -> int:
+        """Construct an actor (``__init__`` runs here) and start its mailbox."""
+        rt = current_runtime()
+        cls, args, kwargs = _codec.loads(payload)
+        ctx = call_context.get()
+        assert ctx is not None
+        obj = cls.__new__(cls)
+        token = call_context.set(CallContext(obj, ctx.point, ctx.sender, ctx.call_id))
+        try:
+            obj.__init__(*args, **kwargs)
+        finally:
+            call_context.reset(token)
+        rt.add_actor(ActorInstance(rt, key, name, obj, handlers_of(cls), owner, ctx.point.rank))
+        return rt.pid
+
+    @endpoint
+    async def stop_actor(self, key: str) -> bool:
+        """Stop taking messages, finish the queued ones, run ``__cleanup__``."""
+        rt = current_runtime()
+        inst = rt.remove_actor(key)
+        if inst is None:
+            return False
+        await inst.done.wait()
+        cleanup = getattr(inst.obj, "__cleanup__", None)
+        if cleanup is not None:
+            result: Any = cleanup()
+            if inspect.isawaitable(result):
+                await result
+        return True
+
+    @endpoint
+    def shutdown(self) -> None:
+        """Let the worker exit."""
+        self._shutdown.set()

@@ -1,0 +1,43 @@
+"""``amesh.run``: the convenient entry point for a controller script."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+
+from ._proc_mesh import default_transport
+from ._runtime._runtime import open_runtime
+from ._transport import NngTransport
+
+__all__ = ["run"]
+
+T = TypeVar("T")
+
+
+def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str | None = None) -> T:
+    """Run ``main(*args)`` on an event loop with an amesh runtime, and return its result.
+
+    Args:
+        main: the controller's async main function.
+        backend: ``"asyncio"`` (uvloop when installed; the default) or ``"trio"``;
+            ``AMESH_BACKEND`` sets the default.
+    """
+    backend = backend or os.environ.get("AMESH_BACKEND", "asyncio")
+    options: dict[str, Any] = {}
+    if backend == "asyncio":
+        try:
+            import uvloop  # noqa: F401
+
+            options["use_uvloop"] = True
+        except ImportError:
+            pass
+
+    async def root() -> T:
+        scheme, host = default_transport()
+        async with open_runtime(lambda: NngTransport(scheme, host=host)):
+            return await main(*args)
+
+    return anyio.run(root, backend=backend, backend_options=options)

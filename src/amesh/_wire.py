@@ -1,0 +1,162 @@
+"""The wire schema: msgspec envelopes behind a three-byte preamble.
+
+Every frame is ``MAGIC (2 bytes) | version (1 byte) | msgpack envelope``. Envelopes are
+tagged, array-like msgspec Structs. The first fields of every request envelope are
+stable across protocol versions (``[tag, sender, call_id, rank, ...]``) so that a
+runtime can answer a frame of an unknown version with a clear error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "Call",
+    "Cancel",
+    "Cast",
+    "Envelope",
+    "Error",
+    "Failure",
+    "Ready",
+    "Reply",
+    "decode",
+    "encode",
+]
+
+MAGIC = b"AM"
+VERSION = 1
+_PREFIX = MAGIC + bytes([VERSION])
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    """Run ``method`` on ``actor`` and reply to ``sender`` with ``call_id``."""
+
+    sender: str
+    call_id: int
+    rank: int
+    actor: str
+    method: str
+    labels: list[str]
+    sizes: list[int]
+    payload: bytes
+
+
+class Cast(msgspec.Struct, tag="cast", array_like=True):
+    """Like :class:`Call`, with no reply; a failure is reported to the owner."""
+
+    sender: str
+    call_id: int
+    rank: int
+    actor: str
+    method: str
+    labels: list[str]
+    sizes: list[int]
+    payload: bytes
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True):
+    """A result for ``call_id`` from ``rank``; ``last`` is False for stream items."""
+
+    call_id: int
+    rank: int
+    payload: bytes
+
+
+class Error(msgspec.Struct, tag="error", array_like=True):
+    """An exception for ``call_id`` from ``rank``, as data."""
+
+    call_id: int
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+class Cancel(msgspec.Struct, tag="cancel", array_like=True):
+    """Cancel ``sender``'s call ``call_id`` if it is queued or running."""
+
+    sender: str
+    call_id: int
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """A worker process is listening at ``addr``."""
+
+    token: str
+    addr: str
+    pid: int
+
+
+class Failure(msgspec.Struct, tag="failure", array_like=True):
+    """A supervision event reported to an owner."""
+
+    actor: str
+    rank: int
+    pid: int
+    cause: str
+
+
+Envelope = Call | Cast | Reply | Error | Cancel | Ready | Failure
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+_loose = msgspec.msgpack.Decoder()
+
+
+class BadFrame(Exception):
+    """A frame that is not an amesh frame at all, or is truncated."""
+
+
+class BadVersion(Exception):
+    """A well-formed frame of another protocol version.
+
+    Attributes:
+        version: the version the frame claims.
+        sender, call_id, rank: taken from the stable preamble when present, so the
+            runtime can answer.
+    """
+
+    def __init__(self, version: int, sender: str | None, call_id: int, rank: int) -> None:
+        super().__init__(version)
+        self.version = version
+        self.sender = sender
+        self.call_id = call_id
+        self.rank = rank
+
+
+def encode(env: Envelope) -> bytes:
+    """Encode ``env`` into one frame."""
+    buf = bytearray(_PREFIX)
+    _encoder.encode_into(env, buf, 3)
+    return bytes(buf)
+
+
+def decode(frame: bytes | memoryview) -> Envelope:
+    """Decode one frame.
+
+    Raises:
+        BadFrame: not an amesh frame, or truncated/malformed.
+        BadVersion: an amesh frame of another protocol version.
+    """
+    view = memoryview(frame)
+    if len(view) < 3 or view[:2] != MAGIC:
+        raise BadFrame("no amesh preamble")
+    version = view[2]
+    if version != VERSION:
+        sender: str | None = None
+        call_id = rank = 0
+        try:
+            head = _loose.decode(view[3:])
+        except msgspec.DecodeError:
+            head = None
+        if isinstance(head, list) and len(head) >= 4:
+            s, c, r = head[1], head[2], head[3]
+            if isinstance(s, str) and isinstance(c, int) and isinstance(r, int):
+                sender, call_id, rank = s, c, r
+        raise BadVersion(version, sender, call_id, rank)
+    try:
+        return _decoder.decode(view[3:])
+    except msgspec.DecodeError as exc:
+        raise BadFrame(str(exc)) from None

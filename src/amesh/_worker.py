@@ -1,0 +1,78 @@
+"""Entry point of a worker process: ``python -m amesh._worker``.
+
+The worker dies with its parent: the kernel sends it SIGKILL when the parent exits
+(PR_SET_PDEATHSIG), and a thread exits the process when the parent's end of its
+stdin pipe closes (which also covers platforms without prctl).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+import anyio
+import msgspec
+
+from . import _wire
+from ._actor import handlers_of
+from ._hosts._local import Bootstrap
+from ._proc_agent import AGENT_KEY, ProcAgent
+from ._runtime._mailbox import ActorInstance
+from ._runtime._runtime import open_runtime
+from ._transport import NngTransport
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch_stdin() -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch_stdin, name="amesh-parent-watch", daemon=True).start()
+
+
+async def _serve(boot: Bootstrap) -> None:
+    shutdown = anyio.Event()
+    async with open_runtime(lambda: NngTransport(boot.scheme, host=boot.host)) as rt:
+        agent = ProcAgent(shutdown)
+        rt.add_actor(
+            ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), boot.parent, 0)
+        )
+        await rt.send_frame(boot.parent, _wire.Ready(boot.token, rt.address, rt.pid))
+        await shutdown.wait()
+
+
+def main() -> None:
+    boot = msgspec.json.decode(os.environ.pop("AMESH_BOOTSTRAP"), type=Bootstrap)
+    _die_with_parent(boot.parent_pid)
+    sys.path[:] = boot.sys_path
+    logging.basicConfig(
+        level=os.environ.get("AMESH_LOG_LEVEL", "WARNING"),
+        format=f"[pid {os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        import uvloop  # noqa: F401
+
+        options = {"use_uvloop": True}
+    except ImportError:
+        options = {}
+    anyio.run(_serve, boot, backend="asyncio", backend_options=options)
+
+
+if __name__ == "__main__":
+    main()
