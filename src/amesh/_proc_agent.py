@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import anyio
+import msgspec
 
 from . import _codec
 from ._actor import Actor, endpoint, handlers_of
@@ -56,6 +57,11 @@ class ProcAgent(Actor):
             if inspect.isawaitable(result):
                 await result
         return True
+
+    @endpoint
+    def statistics(self) -> dict[str, Any]:
+        """This worker's runtime counters."""
+        return msgspec.structs.asdict(current_runtime().statistics())
 
     @endpoint
     def shutdown(self) -> None:

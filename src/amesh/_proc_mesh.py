@@ -28,7 +28,7 @@ from ._errors import ActorError, SupervisionError
 from ._hosts._local import LocalHost, ProcHandle, describe_exit, this_host
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime._context import runtime_var
-from ._runtime._runtime import Runtime, open_runtime
+from ._runtime._runtime import Runtime, open_runtime, pass_cancellation
 from ._shape import Shape
 from ._transport import NngTransport
 from ._value_mesh import MeshView
@@ -49,6 +49,19 @@ def default_transport() -> tuple[str, str]:
     scheme = os.environ.get("AMESH_TRANSPORT", "auto")
     host = os.environ.get("AMESH_HOST", "127.0.0.1")
     return scheme, host
+
+
+def _is_supervision(exc: BaseException) -> bool:
+    """True if ``exc`` is only a consequence of supervision failures.
+
+    That is a SupervisionError, or a cancellation, or an exception group of them (a
+    task group in the body collects the failed calls of its tasks).
+    """
+    kinds = (SupervisionError, anyio.get_cancelled_exc_class())
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(kinds)
+        return rest is None
+    return isinstance(exc, kinds)
 
 
 class _State:
@@ -200,9 +213,9 @@ class ProcMesh(MeshView):
         assert st is not None and stack is not None
         with anyio.CancelScope(shield=True):
             await self._shutdown(st)
-        suppressed = await stack.__aexit__(exc_type, exc, tb)
+        suppressed = await stack.__aexit__(*pass_cancellation(exc_type, exc, tb))
         if st.failures:
-            if exc is None or suppressed or isinstance(exc, SupervisionError):
+            if exc is None or suppressed or _is_supervision(exc):
                 failures = list(st.failures)
                 raise SupervisionError(
                     f"{len(failures)} supervision failure(s) in ProcMesh {self.sizes}: "

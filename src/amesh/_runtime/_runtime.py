@@ -366,6 +366,20 @@ class Runtime:
         handler(failure)
 
 
+def pass_cancellation(
+    exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+) -> tuple[Any, Any, Any]:
+    """What to hand an inner task group's ``__aexit__`` for the body's exception.
+
+    A cancellation must reach the task group, which swallows its own. Any other
+    exception is kept away from it, so it propagates to the user as raised, rather
+    than wrapped in an ExceptionGroup.
+    """
+    if exc is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
+        return exc_type, exc, tb
+    return None, None, None
+
+
 class open_runtime:
     """Open a runtime for this task and the tasks it starts.
 
@@ -397,6 +411,6 @@ class open_runtime:
             inst.close()
         self._tg.cancel_scope.cancel()
         try:
-            return await self._tg.__aexit__(*exc)
+            return await self._tg.__aexit__(*pass_cancellation(*exc))
         finally:
             self._rt.transport.close()

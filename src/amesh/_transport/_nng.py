@@ -73,8 +73,9 @@ class NngTransport:
             self._inbox.close()
             raise
         addr = listener.url
-        if scheme == "tcp":
-            port = listener.local_address.port
+        if scheme == "tcp" and addr.endswith(":0"):
+            # pynng's InAddr.port is in network byte order; its str() is right.
+            port = str(listener.local_address).rsplit(":", 1)[1]
             addr = addr.rsplit(":", 1)[0] + f":{port}"
         self._address: str = addr
         self._ipc_path = addr[len("ipc://") :] if scheme == "ipc" else None
@@ -148,6 +149,10 @@ class NngTransport:
                     break
                 except pynng.Closed:
                     raise TransportClosed("transport is closed") from None
+                except RuntimeError:
+                    # pynng 0.9 cannot unpack a zero-length message (NULL body); the
+                    # message is consumed, so hand it on as the empty frame it was.
+                    frame = b""
                 self._received += 1
                 self._bytes_received += len(frame)
                 deliver(frame)

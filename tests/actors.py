@@ -1,0 +1,171 @@
+"""Actor classes used by the tests (importable by workers, so pickled by reference)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import anyio
+
+from amesh import Actor, ActorMesh, ValueMesh, current_actor, current_rank, current_size, endpoint
+from amesh._runtime._context import call_context
+from amesh._runtime._runtime import current_runtime
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+        self.seen: list[Any] = []
+        self.cancelled = 0
+        self.cleanup_file: str | None = None
+        self.init_point = dict(current_rank())
+        self.released = anyio.Event()
+        self.started = anyio.Event()
+        self.arrived = 0
+        self.all_arrived = anyio.Event()
+        self.order: list[tuple[str, int]] = []
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.n += by
+        return self.n
+
+    @endpoint
+    async def get(self) -> int:
+        return self.n
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def where(self) -> tuple[dict[str, int], int, dict[str, int], dict[str, int]]:
+        p = current_rank()
+        return dict(p), p.rank, current_size(), self.init_point
+
+    @endpoint
+    def is_me(self) -> bool:
+        return current_actor() is self
+
+    @endpoint
+    async def fail(self, msg: str) -> None:
+        raise ValueError(msg)
+
+    @endpoint
+    async def fail_on(self, rank: int) -> int:
+        if current_rank().rank == rank:
+            raise RuntimeError(f"rank {rank} fails")
+        await self._wait_cancelled()
+        return -1
+
+    async def _wait_cancelled(self) -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self.cancelled += 1
+
+    @endpoint
+    async def hang(self) -> None:
+        await self._wait_cancelled()
+
+    @endpoint(concurrent=True)
+    async def hang_concurrent(self) -> None:
+        self.started.set()
+        await self._wait_cancelled()
+
+    @endpoint(concurrent=True)
+    async def wait_started(self) -> None:
+        await self.started.wait()
+
+    @endpoint
+    def cancelled_count(self) -> int:
+        return self.cancelled
+
+    @endpoint
+    def record(self, item: Any) -> None:
+        self.seen.append(item)
+
+    @endpoint
+    def seen_items(self) -> list[Any]:
+        return self.seen
+
+    @endpoint
+    def unpicklable(self) -> Any:
+        return threading.Lock()
+
+    @endpoint
+    def apply(self, fn: Any, x: Any) -> Any:
+        return fn(x)
+
+    @endpoint
+    def total(self, values: ValueMesh[int]) -> int:
+        return sum(values.values())
+
+    @endpoint
+    def echo(self, x: Any) -> Any:
+        return x
+
+    @endpoint
+    async def serial_work(self, i: int) -> None:
+        self.order.append(("start", i))
+        for _ in range(5):
+            await anyio.lowlevel.checkpoint()
+        self.order.append(("end", i))
+
+    @endpoint
+    def work_order(self) -> list[tuple[str, int]]:
+        return self.order
+
+    @endpoint(concurrent=True)
+    async def rendezvous(self, n: int) -> int:
+        """Completes only once ``n`` calls are inside at the same time."""
+        self.arrived += 1
+        if self.arrived >= n:
+            self.all_arrived.set()
+        await self.all_arrived.wait()
+        return self.arrived
+
+    @endpoint(concurrent=True)
+    async def wait_released(self) -> int:
+        await self.released.wait()
+        return current_rank().rank
+
+    @endpoint(concurrent=True)
+    def release(self) -> None:
+        self.released.set()
+
+    @endpoint(concurrent=True)
+    async def now(self) -> int:
+        return current_rank().rank
+
+    def __cleanup__(self) -> None:
+        path = os.environ.get("AMESH_TEST_CLEANUP_DIR")
+        if path:
+            with open(os.path.join(path, f"cleanup-{os.getpid()}"), "w") as f:
+                f.write(str(self.n))
+
+
+class BadInit(Actor):
+    def __init__(self, fail_rank: int) -> None:
+        if current_rank().rank == fail_rank:
+            raise KeyError("bad init on purpose")
+
+
+class Ponger(Actor):
+    @endpoint
+    def pong(self, n: int) -> tuple[int, str]:
+        ctx = call_context.get()
+        assert ctx is not None
+        return n + 1, ctx.sender
+
+
+class Pinger(Actor):
+    @endpoint
+    async def ping(self, other: ActorMesh[Ponger], n: int) -> tuple[int, str, str]:
+        value, sender = await other.pong.call_one(n)
+        return value, sender, current_runtime().address
+
+    @endpoint
+    def hand_back(self, other: ActorMesh[Ponger]) -> ActorMesh[Ponger]:
+        return other

@@ -1,0 +1,154 @@
+"""Start-up, shutdown and the promise that nothing is left running."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+
+import amesh
+from amesh import ProcMesh, SupervisionError
+
+from .actors import BadInit, Counter
+from .conftest import IPC_DIR
+
+pytestmark = pytest.mark.anyio
+
+
+def wait_pid_gone(pid: int, timeout: float) -> bool:
+    """True once ``pid`` has exited (event-driven through a pidfd, not polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+async def test_exit_runs_cleanup_and_stops_processes(tmp_path: Path) -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(
+            per_host={"procs": 3}, env={"AMESH_TEST_CLEANUP_DIR": str(tmp_path)}
+        ) as procs:
+            c = await procs.spawn("c", Counter, 5)
+            await c.incr.call()
+            pids = procs.pids
+        for pid in pids:
+            assert wait_pid_gone(pid, 0)
+        written = {p.name: p.read_text() for p in tmp_path.iterdir()}
+        assert written == {f"cleanup-{pid}": "6" for pid in pids}
+
+
+async def test_init_failure_raises_with_remote_traceback_and_leaves_nothing() -> None:
+    with anyio.fail_after(60):
+        with pytest.raises(SupervisionError, match="BadInit.__init__ failed") as info:
+            async with ProcMesh(per_host={"procs": 2}) as procs:
+                pids = procs.pids
+                await procs.spawn("bad", BadInit, 1)
+        cause = info.value.__cause__
+        assert isinstance(cause, amesh.ActorError)
+        assert cause.type_name == "KeyError"
+        assert "bad init on purpose" in cause.traceback
+        assert cause.point == {"procs": 1, "rank": 1}
+        for pid in pids:
+            assert wait_pid_gone(pid, 0)
+
+
+async def test_init_failure_can_be_caught_and_the_mesh_stays_usable() -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            with pytest.raises(SupervisionError):
+                await procs.spawn("bad", BadInit, 0)
+            good = await procs.spawn("bad", Counter)  # the name is free again
+            assert (await good.incr.call()).values() == [1, 1]
+
+
+async def test_body_exception_propagates_unwrapped() -> None:
+    with anyio.fail_after(60):
+        with pytest.raises(KeyError, match="mine"):
+            async with ProcMesh(per_host={"procs": 1}) as procs:
+                await procs.spawn("c", Counter)
+                raise KeyError("mine")
+
+
+async def test_worker_death_fails_calls_and_the_scope() -> None:
+    with anyio.fail_after(60):
+        with pytest.raises(SupervisionError, match="SIGKILL") as info:
+            async with ProcMesh(per_host={"procs": 2}) as procs:
+                c = await procs.spawn("c", Counter)
+                victim = procs.pids[1]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(c.slice(procs=0).hang.call_one)
+                    os.kill(victim, signal.SIGKILL)
+                    await c.slice(procs=1).hang.call_one()
+        assert str(victim) in str(info.value)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "ipc"])
+async def test_other_transports(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMESH_TRANSPORT", scheme)
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            addrs = procs._live().addrs
+            assert all(a.startswith(f"{scheme}://") for a in addrs)
+            if scheme == "tcp":
+                assert all(a.startswith("tcp://127.0.0.1:") for a in addrs)
+            else:
+                assert all(os.path.dirname(a[len("ipc://") :]) == IPC_DIR for a in addrs)
+            c = await procs.spawn("c", Counter)
+            assert (await c.incr.call(3)).values() == [3, 3]
+            assert sum((await c.incr.call()).values()) == 8
+
+
+def test_workers_exit_when_the_controller_is_sigkilled(tmp_path: Path) -> None:
+    script = tmp_path / "controller.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import anyio, amesh
+            from amesh import Actor, ProcMesh, endpoint
+
+            class Idle(Actor):
+                @endpoint
+                def ping(self) -> int:
+                    return 1
+
+            async def main() -> None:
+                async with ProcMesh(per_host={"procs": 3}) as procs:
+                    idle = await procs.spawn("idle", Idle)
+                    await idle.ping.call()
+                    print(" ".join(map(str, procs.pids)), flush=True)
+                    await anyio.sleep_forever()
+
+            amesh.run(main)
+            """
+        )
+    )
+    ctl = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    try:
+        assert ctl.stdout is not None
+        ready = select.select([ctl.stdout], [], [], 60)[0]
+        assert ready, "the controller did not start its mesh"
+        pids = [int(p) for p in ctl.stdout.readline().split()]
+        assert len(pids) == 3
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=30)
+        for pid in pids:
+            assert wait_pid_gone(pid, 10), f"worker {pid} outlived its controller"
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
+        if ctl.stdout is not None:
+            ctl.stdout.close()

@@ -1,0 +1,97 @@
+"""Bad input never crashes a worker: garbage and truncated frames, unknown versions."""
+
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import msgspec
+import pynng
+import pytest
+
+from amesh import ProcMesh, _codec, _wire
+from amesh._proc_agent import AGENT_KEY
+
+from .actors import Counter
+
+pytestmark = pytest.mark.anyio
+
+
+def _stats_call(reply_to: str, call_id: int) -> bytes:
+    payload = _codec.dumps(((), {}))
+    return _wire.encode(
+        _wire.Call(reply_to, call_id, 0, AGENT_KEY, "statistics", ["procs"], [1], payload)
+    )
+
+
+async def _recv(sock: pynng.Socket) -> _wire.Envelope:
+    frame = await anyio.to_thread.run_sync(sock.recv)
+    return _wire.decode(frame)
+
+
+def test_wire_roundtrip_and_rejects() -> None:
+    env = _wire.Reply(3, 1, b"xyz")
+    assert _wire.decode(_wire.encode(env)) == env
+    with pytest.raises(_wire.BadFrame):
+        _wire.decode(b"garbage")
+    with pytest.raises(_wire.BadFrame):
+        _wire.decode(_wire.encode(env)[:-2])
+    with pytest.raises(_wire.BadVersion) as info:
+        _wire.decode(b"AM\x07" + msgspec.msgpack.encode(["call", "abstract://x", 9, 2, "a"]))
+    assert (info.value.version, info.value.sender, info.value.call_id, info.value.rank) == (
+        7,
+        "abstract://x",
+        9,
+        2,
+    )
+
+
+async def test_garbage_and_truncated_frames_are_dropped_and_counted() -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            c = await procs.spawn("c", Counter)
+            worker = procs._live().addrs[0]
+            me = f"abstract://amesh-test-{uuid.uuid4().hex}"
+            with (
+                pynng.Pull0(listen=me, recv_timeout=20_000) as inbox,
+                pynng.Push0(dial=worker, send_timeout=20_000) as out,
+            ):
+                out.send(b"\x00\x01 this is not a frame")
+                good = _wire.encode(
+                    _wire.Cast(me, 1, 0, c.key, "incr", ["procs"], [1], _codec.dumps(((), {})))
+                )
+                out.send(good[: len(good) // 2])  # truncated
+                out.send(b"")
+                # Same sender, so FIFO: the stats call is handled after the bad frames.
+                out.send(_stats_call(me, 77))
+                reply = await _recv(inbox)
+            assert isinstance(reply, _wire.Reply) and reply.call_id == 77
+            stats = _codec.loads(reply.payload)
+            assert stats["frames_dropped"] == 3
+            assert stats["bad_version"] == 0
+            # the worker is healthy and the truncated cast did nothing
+            assert await c.get.call_one() == 0
+
+
+async def test_unknown_protocol_version_gets_a_clear_error() -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            c = await procs.spawn("c", Counter)
+            worker = procs._live().addrs[0]
+            me = f"abstract://amesh-test-{uuid.uuid4().hex}"
+            with (
+                pynng.Pull0(listen=me, recv_timeout=20_000) as inbox,
+                pynng.Push0(dial=worker, send_timeout=20_000) as out,
+            ):
+                future = msgspec.msgpack.encode(["call", me, 5, 0, "something", "new"])
+                out.send(b"AM\x63" + future)
+                reply = await _recv(inbox)
+                assert isinstance(reply, _wire.Error)
+                assert reply.call_id == 5
+                assert reply.type_name == "amesh.ProtocolError"
+                assert "protocol version 99" in reply.message
+                assert f"version {_wire.VERSION}" in reply.message
+                out.send(_stats_call(me, 6))
+                stats = _codec.loads((await _recv(inbox)).payload)  # type: ignore[union-attr]
+            assert stats["bad_version"] == 1
+            assert await c.incr.call_one() == 1
