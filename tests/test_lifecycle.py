@@ -50,7 +50,7 @@ async def test_exit_runs_cleanup_and_stops_processes(tmp_path: Path) -> None:
 
 async def test_init_failure_raises_with_remote_traceback_and_leaves_nothing() -> None:
     with anyio.fail_after(60):
-        with pytest.raises(SupervisionError, match="BadInit.__init__ failed") as info:
+        with pytest.raises(SupervisionError, match=r"BadInit\.__init__ failed") as info:
             async with ProcMesh(per_host={"procs": 2}) as procs:
                 pids = procs.pids
                 await procs.spawn("bad", BadInit, 1)
