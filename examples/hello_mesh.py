@@ -62,8 +62,14 @@ async def main() -> None:
 
         # views: flatten, rename and split, as in Monarch
         flat = greeters.flatten("rank")
-        print("flatten   ", flat.sizes, "rename", greeters.rename(gpus="tp").sizes,
-              "split", flat.split("rank", dp=2, tp=-1).sizes)
+        print(
+            "flatten   ",
+            flat.sizes,
+            "rename",
+            greeters.rename(gpus="tp").sizes,
+            "split",
+            flat.split("rank", dp=2, tp=-1).sizes,
+        )
 
         # a remote exception is an ActorError with the remote traceback
         try:

@@ -40,9 +40,10 @@ class Pinger(Actor):
 
 
 async def main(rounds: int = 100) -> None:
-    async with ProcMesh(per_host={"pair": 2}) as ping_procs, ProcMesh(
-        per_host={"pair": 2}
-    ) as pong_procs:
+    async with (
+        ProcMesh(per_host={"pair": 2}) as ping_procs,
+        ProcMesh(per_host={"pair": 2}) as pong_procs,
+    ):
         pongers = await pong_procs.spawn("pongers", Ponger)
         pingers = await ping_procs.spawn("pingers", Pinger)
         final = await pingers.rally.call(pongers, rounds)
