@@ -64,7 +64,7 @@ async def test_several_proc_meshes_and_actor_meshes() -> None:
             got = [(await m.get.call()).values() for m in (c1, c2, c3)]
             assert got == [[1, 1], [2, 2], [3, 3]]
             assert set(p1.pids).isdisjoint(p2.pids)
-            await p1.stop(c2)
+            await c2.stop()
             with pytest.raises(amesh.ActorError, match="no actor"):
                 await c2.get.call()
             assert (await c1.get.call()).values() == [1, 1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._endpoint import MeshEndpoint
@@ -10,6 +11,7 @@ from ._value_mesh import MeshView
 
 if TYPE_CHECKING:
     from ._actor import Actor
+    from ._proc_mesh import ProcMesh
 
 __all__ = ["ActorMesh"]
 
@@ -34,16 +36,30 @@ class ActorMesh(MeshView, Generic[A]):
         key: str,
         actor_class: type[A],
         shape: Shape,
-        procs: tuple[str, ...],
+        procs: Sequence[str],
     ) -> None:
         self.name = name
         self.key = key
         self.actor_class = actor_class
         self._shape = shape
         self._procs = procs
+        #: the ProcMesh that spawned it, in the owner's process only
+        self._owner: ProcMesh | None = None
 
     def _with_shape(self, shape: Shape) -> ActorMesh[A]:
-        return ActorMesh(self.name, self.key, self.actor_class, shape, self._procs)
+        view = ActorMesh(self.name, self.key, self.actor_class, shape, self._procs)
+        view._owner = self._owner
+        return view
+
+    async def stop(self) -> None:
+        """Stop these actors (``__cleanup__`` runs); their processes live on.
+
+        Raises:
+            RuntimeError: this handle was received in a message; only the owner stops.
+        """
+        if self._owner is None:
+            raise RuntimeError(f"{self!r} was not spawned here; only its owner can stop it")
+        await self._owner._stop_actor_mesh(self)
 
     def _targets(self) -> dict[int, str]:
         procs = self._procs
@@ -65,4 +81,7 @@ class ActorMesh(MeshView, Generic[A]):
         return f"<ActorMesh {self.name!r} of {self.actor_class.__qualname__} {self.sizes}>"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ActorMesh, (self.name, self.key, self.actor_class, self._shape, self._procs))
+        return (
+            ActorMesh,
+            (self.name, self.key, self.actor_class, self._shape, tuple(self._procs)),
+        )

@@ -2,10 +2,49 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ActorError", "ProtocolError", "RemoteTraceback", "SupervisionError"]
+__all__ = [
+    "ActorError",
+    "DeadlockError",
+    "Failure",
+    "ProtocolError",
+    "RemoteTraceback",
+    "SupervisionError",
+]
+
+_HOST = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One supervision failure: what failed, where, and why.
+
+    Attributes:
+        mesh: the mesh that failed, e.g. ``"ProcMesh {'gpus': 4}"`` or ``"actor 'trainers'"``.
+        rank: the failed rank in that mesh.
+        pid: the process id, when known.
+        cause: why, e.g. ``"was killed by SIGKILL"``, ``"exited with code 3"``,
+            ``"sent no heartbeat for 2.0 s"``, or a nested failure's text.
+        exit_code: the exit code, when the process exited.
+        signal: the signal number, when the process was killed by one.
+        host: the host name.
+    """
+
+    mesh: str
+    rank: int
+    pid: int | None
+    cause: str
+    exit_code: int | None = None
+    signal: int | None = None
+    host: str = field(default=_HOST)
+
+    def __str__(self) -> str:
+        pid = f", pid {self.pid}" if self.pid is not None else ""
+        return f"{self.mesh} rank {self.rank} (host {self.host}{pid}): {self.cause}"
 
 
 class RemoteTraceback(Exception):
@@ -65,16 +104,29 @@ class SupervisionError(Exception):
     owning ``async with ProcMesh(...)`` block when nobody handled the failure.
 
     Attributes:
-        failures: one human-readable description per failure.
+        message: the summary.
+        failures: every :class:`Failure` this error stands for.
     """
 
-    def __init__(self, message: str, failures: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, failures: Sequence[Failure] = ()) -> None:
         super().__init__(message)
         self.message = message
-        self.failures = tuple(failures) or (message,)
+        self.failures: tuple[Failure, ...] = tuple(failures)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The failed ranks, in the order the failures happened."""
+        return [f.rank for f in self.failures]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (SupervisionError, (self.message, self.failures))
+
+
+class DeadlockError(ActorError):
+    """A call would wait on itself under serial dispatch (A -> B -> A).
+
+    Raised instead of hanging; the message names the cycle.
+    """
 
 
 class ProtocolError(Exception):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -14,6 +13,7 @@ from ._actor import Actor, endpoint, handlers_of
 from ._runtime._context import CallContext, call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import current_runtime
+from ._shape import Shape
 
 __all__ = ["AGENT_KEY", "ProcAgent"]
 
@@ -28,34 +28,43 @@ class ProcAgent(Actor):
         self._shutdown = shutdown
 
     @endpoint
-    def spawn_actor(self, key: str, name: str, payload: bytes, owner: str) -> int:
-        """Construct an actor (``__init__`` runs here) and start its mailbox."""
+    def spawn_actor(
+        self,
+        key: str,
+        name: str,
+        payload: bytes,
+        owner: str,
+        labels: list[str],
+        sizes: list[int],
+        ranks: list[int],
+    ) -> int:
+        """Construct an actor (``__init__`` runs here) and start its mailbox.
+
+        ``ranks[i]`` is the rank in the actor mesh (of shape ``labels``/``sizes``) of
+        the agent that is rank ``i`` of this call.
+        """
         rt = current_runtime()
         cls, args, kwargs = _codec.loads(payload)
         ctx = call_context.get()
         assert ctx is not None
+        rank = ranks[ctx.point.rank]
+        point = Shape(labels, sizes).point(rank)
         obj = cls.__new__(cls)
-        token = call_context.set(CallContext(obj, ctx.point, ctx.sender, ctx.call_id))
+        token = call_context.set(CallContext(obj, point, ctx.sender, ctx.call_id))
         try:
             obj.__init__(*args, **kwargs)
         finally:
             call_context.reset(token)
-        rt.add_actor(ActorInstance(rt, key, name, obj, handlers_of(cls), owner, ctx.point.rank))
+        rt.add_actor(ActorInstance(rt, key, name, obj, handlers_of(cls), owner, rank))
         return rt.pid
 
     @endpoint
     async def stop_actor(self, key: str) -> bool:
         """Stop taking messages, finish the queued ones, run ``__cleanup__``."""
-        rt = current_runtime()
-        inst = rt.remove_actor(key)
+        inst = current_runtime().remove_actor(key)
         if inst is None:
             return False
-        await inst.done.wait()
-        cleanup = getattr(inst.obj, "__cleanup__", None)
-        if cleanup is not None:
-            result: Any = cleanup()
-            if inspect.isawaitable(result):
-                await result
+        await inst.stop()
         return True
 
     @endpoint

@@ -18,7 +18,8 @@ __all__ = [
     "Cast",
     "Envelope",
     "Error",
-    "Failure",
+    "FailureReport",
+    "Heartbeat",
     "Ready",
     "Reply",
     "decode",
@@ -31,7 +32,12 @@ _PREFIX = MAGIC + bytes([VERSION])
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
-    """Run ``method`` on ``actor`` and reply to ``sender`` with ``call_id``."""
+    """Run ``method`` on ``actor`` and reply to ``sender`` with ``call_id``.
+
+    ``chain`` lists the serial handlers waiting on this call, outermost first, as
+    ``"address#actor key#label"``: the receiver refuses a call that would wait on
+    itself.
+    """
 
     sender: str
     call_id: int
@@ -41,6 +47,7 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     labels: list[str]
     sizes: list[int]
     payload: bytes
+    chain: list[str] = []
 
 
 class Cast(msgspec.Struct, tag="cast", array_like=True):
@@ -89,8 +96,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     pid: int
 
 
-class Failure(msgspec.Struct, tag="failure", array_like=True):
-    """A supervision event reported to an owner."""
+class FailureReport(msgspec.Struct, tag="failure", array_like=True):
+    """A supervision event reported to the owner of actor mesh ``actor``."""
 
     actor: str
     rank: int
@@ -98,7 +105,14 @@ class Failure(msgspec.Struct, tag="failure", array_like=True):
     cause: str
 
 
-Envelope = Call | Cast | Reply | Error | Cancel | Ready | Failure
+class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
+    """A worker at ``addr`` is alive (sent from a thread, whatever its loop does)."""
+
+    addr: str
+    pid: int
+
+
+Envelope = Call | Cast | Reply | Error | Cancel | Ready | FailureReport | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)

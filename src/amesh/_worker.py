@@ -16,6 +16,7 @@ import threading
 
 import anyio
 import msgspec
+import pynng
 
 from . import _wire
 from ._actor import handlers_of
@@ -46,6 +47,17 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch_stdin, name="amesh-parent-watch", daemon=True).start()
 
 
+def _send_heartbeats(boot: Bootstrap, addr: str, stop: threading.Event) -> None:
+    """Tell the parent we are alive, from a thread: a busy event loop is not dead."""
+    frame = _wire.encode(_wire.Heartbeat(addr, os.getpid()))
+    with pynng.Push0(dial=boot.parent, send_buffer_size=4, send_timeout=1000) as sock:
+        while not stop.wait(boot.heartbeat_period):
+            try:
+                sock.send(frame, block=False)
+            except pynng.TryAgain:
+                pass  # the parent is slow; a later beat will do
+
+
 async def _serve(boot: Bootstrap) -> None:
     shutdown = anyio.Event()
     async with open_runtime(lambda: NngTransport(boot.scheme, host=boot.host)) as rt:
@@ -54,7 +66,18 @@ async def _serve(boot: Bootstrap) -> None:
             ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), boot.parent, 0)
         )
         await rt.send_frame(boot.parent, _wire.Ready(boot.token, rt.address, rt.pid))
-        await shutdown.wait()
+        stop = threading.Event()
+        beats = threading.Thread(
+            target=_send_heartbeats,
+            args=(boot, rt.address, stop),
+            name="amesh-heartbeat",
+            daemon=True,
+        )
+        beats.start()
+        try:
+            await shutdown.wait()
+        finally:
+            stop.set()
 
 
 def main() -> None:

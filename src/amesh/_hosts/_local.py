@@ -36,6 +36,7 @@ class Bootstrap(msgspec.Struct, frozen=True):
     scheme: str
     host: str
     sys_path: list[str]
+    heartbeat_period: float
 
 
 def describe_exit(returncode: int) -> str:
@@ -57,6 +58,8 @@ class ProcHandle:
         self.pid = pid
         self.process = process
         self.expected_exit = False
+        #: a failure of this process was already reported
+        self.failed = False
 
     @property
     def returncode(self) -> int | None:
@@ -91,7 +94,13 @@ class LocalHost:
         return ProcMesh(per_host, host=self, **kwargs)
 
     async def start_proc(
-        self, rt: Runtime, scheme: str, host: str, env: Mapping[str, str] | None = None
+        self,
+        rt: Runtime,
+        scheme: str,
+        host: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        heartbeat_period: float = 0.5,
     ) -> ProcHandle:
         """Start one worker and wait until it listens.
 
@@ -107,7 +116,9 @@ class LocalHost:
             ready.set()
 
         rt.ready_waiters[token] = on_ready
-        boot = Bootstrap(rt.address, os.getpid(), token, scheme, host, list(sys.path))
+        boot = Bootstrap(
+            rt.address, os.getpid(), token, scheme, host, list(sys.path), heartbeat_period
+        )
         child_env = dict(os.environ)
         child_env.update(env or {})
         child_env["AMESH_BOOTSTRAP"] = msgspec.json.encode(boot).decode()

@@ -1,8 +1,9 @@
-"""One actor instance in this process: its mailbox and its dispatch loop.
+"""One actor instance in this process: its mailbox, dispatch loop and failure state.
 
 Messages are taken in arrival order (so per-sender FIFO holds). Serial endpoints are
 awaited before the next message is taken; concurrent endpoints start in order and
-interleave at their awaits.
+interleave at their awaits. The instance's task group also hosts the watchers of the
+meshes the actor owns, so they live exactly as long as the actor.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import math
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .. import _codec, _wire
@@ -25,9 +27,12 @@ from ._context import CallContext, call_context
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
-__all__ = ["ActorInstance", "Handler", "error_of"]
+__all__ = ["ActorInstance", "Handler", "Owned", "error_of", "type_name_of"]
 
 log = logging.getLogger("amesh.actor")
+
+#: Bounded wait for an actor's ``__cleanup__`` and its owned meshes at stop.
+STOP_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -38,12 +43,25 @@ class Handler:
     concurrent: bool
 
 
+class Owned(Protocol):
+    """Something an actor owns and stops with it (a mesh it started)."""
+
+    async def stop(self) -> None: ...
+
+
+def type_name_of(exc: BaseException) -> str:
+    """``"ValueError"``, ``"pkg.mod.MyError"``; amesh's own errors as ``"amesh.X"``."""
+    t = type(exc)
+    if t.__module__ == "builtins":
+        return t.__qualname__
+    if t.__module__ == "amesh._errors":
+        return f"amesh.{t.__qualname__}"
+    return f"{t.__module__}.{t.__qualname__}"
+
+
 def error_of(exc: BaseException) -> tuple[str, str, str]:
     """``(type name, message, traceback text)`` of ``exc``, for the wire."""
-    t = type(exc)
-    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-    tb = "".join(traceback.format_exception(exc))
-    return name, str(exc), tb
+    return type_name_of(exc), str(exc), "".join(traceback.format_exception(exc))
 
 
 class ActorInstance:
@@ -80,8 +98,19 @@ class ActorInstance:
         self._send: MemoryObjectSendStream[_wire.Call | _wire.Cast] = send
         self._recv: MemoryObjectReceiveStream[_wire.Call | _wire.Cast] = recv
         self.handled = 0
+        #: why the actor failed, once it has
+        self.failed: str | None = None
+        #: meshes this actor started and stops with it
+        self.owned: list[Owned] = []
+        self.tg: TaskGroup | None = None
+        self._running: set[anyio.CancelScope] = set()
+        self._drained = anyio.Event()
+        self._stopping = anyio.Event()
         #: set when the dispatch loop has ended
         self.done = anyio.Event()
+
+    def label(self, method: str = "") -> str:
+        return f"{self.name}[{self.rank}]" + (f".{method}" if method else "")
 
     def put(self, env: _wire.Call | _wire.Cast) -> None:
         """Queue a message (never blocks)."""
@@ -91,37 +120,70 @@ class ActorInstance:
         """Stop taking messages; the loop ends once the queue is drained."""
         self._send.close()
 
+    # -- the loop ---------------------------------------------------------------------
+
     async def run(self) -> None:
-        """The dispatch loop; returns when the mailbox is closed and drained."""
+        """The dispatch loop; returns once the actor is stopped."""
         try:
-            await self._loop()
+            async with anyio.create_task_group() as tg:
+                self.tg = tg
+                await self._loop(tg)
+                self._drained.set()
+                await self._stopping.wait()
+                tg.cancel_scope.cancel()
         finally:
+            self._drained.set()
             self.done.set()
 
-    async def _loop(self) -> None:
+    async def _loop(self, tg: TaskGroup) -> None:
         rt = self.runtime
-        async with anyio.create_task_group() as tg:
-            async for env in self._recv:
-                key = (env.sender, env.call_id)
-                rt.queued.discard(key)
-                if key in rt.cancelled:
-                    rt.cancelled.discard(key)
-                    continue
-                handler = self.handlers.get(env.method)
-                if handler is not None and handler.concurrent:
-                    tg.start_soon(self._handle, env, handler)
-                else:
-                    await self._handle(env, handler)
+        async for env in self._recv:
+            key = (env.sender, env.call_id)
+            rt.queued.discard(key)
+            if key in rt.cancelled:
+                rt.cancelled.discard(key)
+                continue
+            if self.failed is not None:
+                await self.refuse(env)
+                continue
+            handler = self.handlers.get(env.method)
+            if handler is not None and handler.concurrent:
+                tg.start_soon(self._handle, env, handler)
+            else:
+                await self._handle(env, handler)
+
+    def chain_entry(self, method: str) -> str:
+        return f"{self.runtime.address}#{self.key}#{self.label(method)}"
+
+    def waits_on(self, chain: list[str]) -> list[str] | None:
+        """The cycle, if a serial handler of this actor is in ``chain``."""
+        prefix = f"{self.runtime.address}#{self.key}#"
+        for i, entry in enumerate(chain):
+            if entry.startswith(prefix):
+                return [e.split("#", 2)[2] for e in chain[i:]]
+        return None
+
+    async def refuse(self, env: _wire.Call | _wire.Cast) -> None:
+        """Answer a message to a failed actor with a supervision error."""
+        if isinstance(env, _wire.Call):
+            msg = f"actor {self.label()} failed earlier: {self.failed}"
+            await self.runtime.send_frame(
+                env.sender, _wire.Error(env.call_id, env.rank, "amesh.SupervisionError", msg, "")
+            )
 
     async def _handle(self, env: _wire.Call | _wire.Cast, handler: Handler | None) -> None:
         rt = self.runtime
         key = (env.sender, env.call_id)
         is_call = isinstance(env, _wire.Call)
         shape = Shape(env.labels, env.sizes)
-        ctx = CallContext(self.obj, shape.point(env.rank), env.sender, env.call_id)
+        chain = list(env.chain) if isinstance(env, _wire.Call) else []
+        if handler is not None and not handler.concurrent:
+            chain.append(self.chain_entry(env.method))
+        ctx = CallContext(self.obj, shape.point(env.rank), env.sender, env.call_id, self, chain)
         token = call_context.set(ctx)
         scope = anyio.CancelScope()
         rt.running[key] = scope
+        self._running.add(scope)
         result: Any = None
         failure: BaseException | None = None
         try:
@@ -136,10 +198,11 @@ class ActorInstance:
             failure = exc
         finally:
             rt.running.pop(key, None)
+            self._running.discard(scope)
             call_context.reset(token)
             self.handled += 1
         if scope.cancelled_caught:
-            # The caller gave up; it waits for nothing more.
+            # The caller gave up (or the actor failed); it waits for nothing more.
             return
         if failure is None and is_call:
             try:
@@ -155,14 +218,69 @@ class ActorInstance:
         if is_call:
             await rt.send_frame(env.sender, _wire.Error(env.call_id, env.rank, name, message, tb))
         else:
-            log.error("endpoint %s.%s raised under broadcast:\n%s", self.name, env.method, tb)
-            await rt.report_failure(
-                self.owner,
-                _wire.Failure(
-                    self.key,
-                    self.rank,
-                    rt.pid,
-                    f"endpoint {self.name}.{env.method} raised under broadcast: "
-                    f"{name}: {message}\n{tb}",
-                ),
+            log.error("endpoint %s raised under broadcast:\n%s", self.label(env.method), tb)
+            self.fail(
+                f"endpoint {self.label(env.method)} raised under broadcast: {name}: {message}"
             )
+
+    # -- supervision ----------------------------------------------------------------------
+
+    async def supervise(self, failure: Any) -> bool:
+        """Offer ``failure`` of a mesh this actor owns to its ``__supervise__``.
+
+        Returns:
+            True if the actor handled it; False if the actor fails because of it.
+        """
+        hook = getattr(self.obj, "__supervise__", None)
+        if hook is None:
+            return False
+        ctx = CallContext(self.obj, Shape([], []).point(0), self.owner, 0, self, [])
+        token = call_context.set(ctx)
+        try:
+            result = hook(failure)
+            if inspect.isawaitable(result):
+                result = await result
+            return bool(result)
+        except Exception:
+            log.exception("%s.__supervise__ raised; the failure escalates", self.label())
+            return False
+        finally:
+            call_context.reset(token)
+
+    def fail(self, cause: str) -> None:
+        """The actor failed: refuse further messages and tell the owner, once."""
+        if self.failed is not None:
+            return
+        self.failed = cause
+        for scope in list(self._running):
+            scope.cancel()
+        rt = self.runtime
+        report = _wire.FailureReport(self.key, self.rank, rt.pid, f"actor {self.label()}: {cause}")
+        rt.start_soon(rt.report_failure, self.owner, report)
+        rt.start_soon(self._stop_owned)
+
+    async def _stop_owned(self) -> None:
+        owned, self.owned = self.owned, []
+        for res in reversed(owned):
+            try:
+                await res.stop()
+            except Exception:
+                log.exception("stopping a mesh owned by %s", self.label())
+
+    async def stop(self) -> None:
+        """Finish queued messages, run ``__cleanup__``, stop owned meshes, end the loop."""
+        self.close()
+        with anyio.move_on_after(STOP_TIMEOUT):
+            await self._drained.wait()
+        try:
+            with anyio.move_on_after(STOP_TIMEOUT):
+                cleanup = getattr(self.obj, "__cleanup__", None)
+                if cleanup is not None:
+                    result: Any = cleanup()
+                    if inspect.isawaitable(result):
+                        await result
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop_owned()
+                self._stopping.set()
+                await self.done.wait()

@@ -19,10 +19,10 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from .. import _wire
-from .._errors import ProtocolError, SupervisionError
+from .._errors import DeadlockError, Failure, ProtocolError, SupervisionError
 from .._transport import Transport, TransportClosed
-from ._context import runtime_var
-from ._mailbox import ActorInstance
+from ._context import call_context, runtime_var
+from ._mailbox import ActorInstance, Owned
 
 __all__ = ["Pending", "Runtime", "RuntimeStats", "current_runtime"]
 
@@ -109,9 +109,15 @@ class Runtime:
         #: (address, actor key) -> calls this runtime has in flight there
         self.inflight: dict[tuple[str, str], int] = {}
         #: addresses of processes known to be dead -> why
-        self.dead: dict[str, str] = {}
+        self.dead: dict[str, Failure] = {}
         self.ready_waiters: dict[str, Callable[[_wire.Ready], None]] = {}
-        self.failure_handlers: dict[str, Callable[[_wire.Failure], None]] = {}
+        self.failure_handlers: dict[str, Callable[[_wire.FailureReport], None]] = {}
+        #: addresses of workers -> when their last heartbeat came (anyio clock)
+        self.heartbeats: dict[str, float] = {}
+        #: meshes started outside any actor (owned by the controller itself)
+        self.owned: list[Owned] = []
+        #: unhandled failures of those meshes; they cancel the runtime's body
+        self.root_failures: list[Failure] = []
         self._frames_dropped = 0
         self._bad_version = 0
         self._calls_sent = 0
@@ -133,6 +139,11 @@ class Runtime:
             frames_sent=t.frames_sent,
             frames_received=t.frames_received,
         )
+
+    @property
+    def task_group(self) -> TaskGroup:
+        """The runtime's own task group (lives as long as the runtime)."""
+        return self._tg
 
     def start_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` in the runtime's own task group."""
@@ -167,7 +178,12 @@ class Runtime:
         except TransportClosed:
             pass
 
-    async def report_failure(self, owner: str, failure: _wire.Failure) -> None:
+    def fail_root(self, failure: Failure) -> None:
+        """An unhandled failure reached the top of this process: cancel its body."""
+        self.root_failures.append(failure)
+        self._tg.cancel_scope.cancel()
+
+    async def report_failure(self, owner: str, failure: _wire.FailureReport) -> None:
         """Tell ``owner`` that an actor here failed."""
         if owner == self.address:
             self._on_failure(failure)
@@ -214,21 +230,31 @@ class Runtime:
         payload: bytes,
     ) -> None:
         """Send one :class:`~amesh._wire.Call` per target rank of ``pending``."""
+        ctx = call_context.get()
+        chain = ctx.chain if ctx is not None else []
         for rank, addr in list(pending.targets.items()):
             why = self.dead.get(addr)
             if why is not None:
                 self._fail_rank(pending, rank, addr, why)
                 continue
             env = _wire.Call(
-                self.address, pending.call_id, rank, pending.actor, method, labels, sizes, payload
+                self.address,
+                pending.call_id,
+                rank,
+                pending.actor,
+                method,
+                labels,
+                sizes,
+                payload,
+                chain,
             )
             await self.send_frame(addr, env)
             self._calls_sent += 1
 
-    def _fail_rank(self, pending: Pending, rank: int, addr: str, why: str) -> None:
+    def _fail_rank(self, pending: Pending, rank: int, addr: str, why: Failure) -> None:
         if rank in pending.targets:
             self._dec_inflight(addr, pending.actor)
-            pending.push(rank, False, SupervisionError(why))
+            pending.push(rank, False, SupervisionError(str(why), [why]))
 
     async def send_casts(
         self,
@@ -244,13 +270,13 @@ class Runtime:
         for rank, addr in targets.items():
             why = self.dead.get(addr)
             if why is not None:
-                raise SupervisionError(why)
+                raise SupervisionError(str(why), [why])
             env = _wire.Cast(self.address, call_id, rank, actor, method, labels, sizes, payload)
             await self.send_frame(addr, env)
 
     # -- failure of peers -------------------------------------------------------------
 
-    def peer_failed(self, addr: str, why: str) -> None:
+    def peer_failed(self, addr: str, why: Failure) -> None:
         """The process at ``addr`` is gone: fail every call waiting on it, now and later."""
         if addr in self.dead:
             return
@@ -270,10 +296,8 @@ class Runtime:
         self._tg.start_soon(inst.run)
 
     def remove_actor(self, key: str) -> ActorInstance | None:
-        inst = self.actors.pop(key, None)
-        if inst is not None:
-            inst.close()
-        return inst
+        """Unregister an actor (stop it with :meth:`ActorInstance.stop`)."""
+        return self.actors.pop(key, None)
 
     # -- inbound ----------------------------------------------------------------------
 
@@ -337,6 +361,11 @@ class Runtime:
                         f"no actor {env.actor!r} is running in process {self.pid}",
                     )
                 return
+            if inst.failed is not None:
+                self._tg.start_soon(inst.refuse, env)
+                return
+            if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
+                return
             self.queued.add((env.sender, env.call_id))
             inst.put(env)
         elif isinstance(env, _wire.Cancel):
@@ -350,10 +379,31 @@ class Runtime:
             waiter = self.ready_waiters.pop(env.token, None)
             if waiter is not None:
                 waiter(env)
-        elif isinstance(env, _wire.Failure):
+        elif isinstance(env, _wire.FailureReport):
             self._on_failure(env)
+        elif isinstance(env, _wire.Heartbeat):
+            if env.addr in self.heartbeats:
+                self.heartbeats[env.addr] = anyio.current_time()
 
-    def _on_failure(self, failure: _wire.Failure) -> None:
+    def _deadlocks(self, inst: ActorInstance, env: _wire.Call) -> bool:
+        """Refuse a call to a serial endpoint whose actor is waiting on the caller."""
+        handler = inst.handlers.get(env.method)
+        if handler is not None and handler.concurrent:
+            return False
+        cycle = inst.waits_on(env.chain)
+        if cycle is None:
+            return False
+        path = " -> ".join([*cycle, inst.label(env.method)])
+        msg = (
+            f"deadlock: {path} would wait on itself: {inst.label()} handles one message at "
+            f"a time and is busy in {cycle[0]}, which waits on this call; make one of these "
+            "endpoints @endpoint(concurrent=True)"
+        )
+        log.warning("refused a call: %s", msg)
+        self._try_reply_error(env.sender, env.call_id, env.rank, DeadlockError, msg)
+        return True
+
+    def _on_failure(self, failure: _wire.FailureReport) -> None:
         handler = self.failure_handlers.get(failure.actor)
         if handler is None:
             log.error(
@@ -405,12 +455,41 @@ class open_runtime:
 
     async def __aexit__(self, *exc: Any) -> bool | None:
         assert self._tg is not None and self._rt is not None
+        rt = self._rt
+        with anyio.CancelScope(shield=True):
+            owned, rt.owned = rt.owned, []
+            for res in reversed(owned):
+                try:
+                    await res.stop()
+                except Exception:
+                    log.exception("stopping a mesh at runtime exit")
         runtime_var.reset(self._token)
-        self._rt.closed = True
-        for inst in list(self._rt.actors.values()):
+        rt.closed = True
+        for inst in list(rt.actors.values()):
             inst.close()
         self._tg.cancel_scope.cancel()
         try:
-            return await self._tg.__aexit__(*pass_cancellation(*exc))
+            suppressed = await self._tg.__aexit__(*pass_cancellation(*exc))
         finally:
-            self._rt.transport.close()
+            rt.transport.close()
+        if rt.root_failures and (exc[1] is None or suppressed or is_supervision(exc[1])):
+            failures = list(rt.root_failures)
+            raise SupervisionError(
+                f"{len(failures)} unhandled supervision failure(s): "
+                + "; ".join(str(f).splitlines()[0] for f in failures),
+                failures,
+            )
+        return suppressed
+
+
+def is_supervision(exc: BaseException) -> bool:
+    """True if ``exc`` is only a consequence of supervision failures.
+
+    That is a SupervisionError, or a cancellation, or an exception group of them (a
+    task group in the body collects the failed calls of its tasks).
+    """
+    kinds = (SupervisionError, anyio.get_cancelled_exc_class())
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(kinds)
+        return rest is None
+    return isinstance(exc, kinds)
