@@ -18,14 +18,21 @@ is N concurrent round trips to N servers. The baseline client always runs on asy
 
 Reading the table: the ``amesh/pynng`` column is the ratio of the two figures. For
 latencies it is the slowdown (2.0 = amesh takes twice as long per call); for throughput
-below 1.0 means amesh completes fewer calls per second. On a 2-CPU VM most of a round
-trip is waking a process on the other CPU (see FACTS.md); pin everything to one CPU with
-``--cpus 0`` (or run under ``taskset -c 0``) to see the software's own cost.
+below 1.0 means amesh completes fewer calls per second. A round trip includes waking
+the other process, ~40 us per hop across the two CPUs of this VM (see FACTS.md), and
+NNG's own thread hand-offs; ``--cpus 0`` (like ``taskset -c 0``) pins this process and
+every child to one CPU to compare. amesh uses its default transport (abstract sockets
+on Linux); the baseline uses ``ipc://`` files. Figures move by tens of percent between
+runs on a busy machine: compare ratios from one run, not figures across runs.
+
+``--json`` prints ``{metric: {"amesh": x, "pynng": y, "ratio": x / y}}`` with metrics
+``call_one_p50_us``, ``call_one_p99_us``, ``pipelined_calls_per_s`` and
+``call_{1,4,16}_{p50,p99}_us``; ``pynng``/``ratio`` are null where there is no baseline.
 
 Usage::
 
     python bench/bench_rpc.py                  # full run, table
-    python bench/bench_rpc.py --quick --json   # small counts (a few seconds), JSON
+    python bench/bench_rpc.py --quick --json   # small counts (~10-15 s), JSON
     python bench/bench_rpc.py --backend trio --cpus 0
 
 The run leaves no processes or socket files behind, also on Ctrl-C or SIGTERM: the
@@ -139,8 +146,7 @@ def _die_with_parent() -> None:
 
 def serve(addr: str) -> None:
     """The baseline server (``--server ADDR``): a synchronous Rep0 echo loop."""
-    # The parent decides when we stop: a terminal's Ctrl-C reaches the whole process
-    # group, and the parent kills us in its cleanup.
+    # The parent decides when we stop (it kills us in its cleanup).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     sock = pynng.Rep0()
@@ -182,6 +188,7 @@ class ServerPool:
                 [sys.executable, os.path.abspath(__file__), "--server", addr],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
+                process_group=0,  # a terminal's Ctrl-C is for us; we stop them
             )
             self._procs.append(proc)
             self.addrs.append(addr)
@@ -271,15 +278,37 @@ async def pynng_figures(addrs: list[str], plan: Plan) -> Figures:
             sock.close()
 
 
-def run_pynng(plan: Plan) -> Figures:
-    with ServerPool(max(MESH_SIZES)) as pool:
-        loop_factory = None
-        with contextlib.suppress(ImportError):
-            import uvloop
+_interrupted = threading.Event()
 
-            loop_factory = uvloop.new_event_loop
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(pynng_figures(pool.addrs, plan))
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def run_pynng(plan: Plan) -> Figures:
+    loop_factory = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    # asyncio.Runner turns Ctrl-C into cancelling the main task, but pynng's arecv
+    # swallows a cancellation that races with its reply, and the run then goes on as if
+    # nothing happened. So Ctrl-C raises KeyboardInterrupt right away instead, and since
+    # that too is lost when it lands in a __del__, a flag is checked at the end.
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, _raise_interrupt)
+    try:
+        with ServerPool(max(MESH_SIZES)) as pool:
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                figures = runner.run(pynng_figures(pool.addrs, plan))
+        if _interrupted.is_set():
+            raise KeyboardInterrupt
+        return figures
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # -- amesh ------------------------------------------------------------------------------------
@@ -345,7 +374,18 @@ async def amesh_figures(plan: Plan) -> Figures:
 def run_amesh(plan: Plan, backend: str) -> Figures:
     import amesh
 
-    return amesh.run(amesh_figures, plan, backend=backend)
+    # On trio, Ctrl-C lands in whichever task runs, amesh's own included: amesh.run then
+    # raises it inside an exception group, or even returns None (it swallows it).
+    try:
+        figures: Figures | None = amesh.run(amesh_figures, plan, backend=backend)
+    except BaseExceptionGroup as group:
+        interrupts, rest = group.split(KeyboardInterrupt)
+        if interrupts is not None and rest is None:
+            raise KeyboardInterrupt from None
+        raise
+    if figures is None:
+        raise KeyboardInterrupt
+    return figures
 
 
 # -- report -----------------------------------------------------------------------------------

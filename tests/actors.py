@@ -169,3 +169,139 @@ class Pinger(Actor):
     @endpoint
     def hand_back(self, other: ActorMesh[Ponger]) -> ActorMesh[Ponger]:
         return other
+
+
+class Mortal(Actor):
+    """Dies on request in various ways; counts its incarnations via __init__."""
+
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
+        self.calls = 0
+
+    @endpoint
+    def die(self, how: str) -> None:
+        if how == "exit":
+            os._exit(3)
+        if how == "segv":
+            import ctypes
+
+            ctypes.string_at(0)
+        raise ValueError(f"unknown death {how}")
+
+    @endpoint
+    def bump(self) -> tuple[int, int]:
+        self.calls += 1
+        return os.getpid(), self.calls
+
+    @endpoint
+    def explode(self) -> None:
+        raise RuntimeError("exploded under broadcast")
+
+    @endpoint
+    async def hang(self) -> None:
+        await anyio.sleep_forever()
+
+
+class Leaf(Actor):
+    """Owns a mesh of one Mortal process (the grandchild of the controller's actor)."""
+
+    def __init__(self, handle: bool) -> None:
+        self.handle = handle
+        self.seen: list[str] = []
+        self.supervised = anyio.Event()
+
+    @endpoint
+    async def start(self) -> list[int]:
+        from amesh import ProcMesh
+
+        self.procs = await ProcMesh(per_host={"p": 1})
+        self.mortals = await self.procs.spawn("mortal", Mortal)
+        return self.procs.pids
+
+    @endpoint
+    async def bump_child(self) -> tuple[int, int]:
+        return await self.mortals.bump.call_one()
+
+    def __supervise__(self, failure: Any) -> bool:
+        self.seen.append(str(failure))
+        self.supervised.set()
+        return self.handle
+
+    @endpoint(concurrent=True)
+    async def wait_supervised(self) -> list[str]:
+        await self.supervised.wait()
+        return self.seen
+
+    @endpoint
+    def ping(self) -> str:
+        return "leaf"
+
+
+class Mid(Actor):
+    """Owns a mesh of one Leaf actor."""
+
+    def __init__(self, handle: bool, leaf_handles: bool) -> None:
+        self.handle = handle
+        self.leaf_handles = leaf_handles
+        self.seen: list[str] = []
+        self.supervised = anyio.Event()
+
+    @endpoint
+    async def start(self) -> tuple[list[int], list[int]]:
+        from amesh import ProcMesh
+
+        self.procs = await ProcMesh(per_host={"p": 1})
+        self.leaf = await self.procs.spawn("leaf", Leaf, self.leaf_handles)
+        grandchildren = await self.leaf.start.call_one()
+        return self.procs.pids, grandchildren
+
+    @endpoint
+    async def call_leaf(self) -> str:
+        return await self.leaf.ping.call_one()
+
+    @endpoint
+    async def leaf_seen(self) -> list[str]:
+        return await self.leaf.wait_supervised.call_one()
+
+    @endpoint
+    async def leaf_bump_child(self) -> tuple[int, int]:
+        return await self.leaf.bump_child.call_one()
+
+    async def __supervise__(self, failure: Any) -> bool:  # async hooks are awaited
+        await anyio.lowlevel.checkpoint()
+        self.seen.append(str(failure))
+        self.supervised.set()
+        return self.handle
+
+    @endpoint(concurrent=True)
+    async def wait_supervised(self) -> list[str]:
+        await self.supervised.wait()
+        return self.seen
+
+    @endpoint
+    def ping(self) -> str:
+        return "mid"
+
+
+class Cyclic(Actor):
+    """A calls B calls A: serial endpoints deadlock, concurrent ones do not."""
+
+    @endpoint
+    async def call_other(self, other: ActorMesh[Cyclic], back: ActorMesh[Cyclic], ep: str) -> str:
+        return await other.bounce.call_one(back, ep)  # type: ignore[no-any-return]
+
+    @endpoint
+    async def bounce(self, back: ActorMesh[Cyclic], ep: str) -> str:
+        return await getattr(back, ep).call_one()  # type: ignore[no-any-return]
+
+    @endpoint
+    def serial_ping(self) -> str:
+        return "serial pong"
+
+    @endpoint(concurrent=True)
+    def concurrent_ping(self) -> str:
+        return "concurrent pong"
+
+    @endpoint
+    async def call_self(self, me: ActorMesh[Cyclic]) -> str:
+        return await me.serial_ping.call_one()  # type: ignore[no-any-return]

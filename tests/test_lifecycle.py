@@ -152,3 +152,43 @@ def test_workers_exit_when_the_controller_is_sigkilled(tmp_path: Path) -> None:
             ctl.wait()
         if ctl.stdout is not None:
             ctl.stdout.close()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_keyboard_interrupt_propagates_out_of_amesh_run(backend: str) -> None:
+    code = textwrap.dedent(
+        f"""
+        import os, signal, anyio, amesh
+        from amesh import ProcMesh
+
+        async def main():
+            async with ProcMesh(per_host={{"procs": 1}}) as procs:
+                print(procs.pids[0], flush=True)
+                os.kill(os.getpid(), signal.SIGINT)
+                await anyio.sleep_forever()
+
+        try:
+            amesh.run(main, backend={backend!r})
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt", flush=True)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr
+    worker, last = out.stdout.split()
+    assert last == "KeyboardInterrupt"
+    assert wait_pid_gone(int(worker), 10)
+
+
+async def test_workers_ignore_sigint() -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            c = await procs.spawn("c", Counter)
+            os.kill(procs.pids[0], signal.SIGINT)  # as a terminal's Ctrl-C would
+            assert await c.incr.call_one() == 1

@@ -17,6 +17,8 @@ from ._actor import endpoint as endpoint
 from ._actor_mesh import ActorMesh as ActorMesh
 from ._endpoint import MeshEndpoint as MeshEndpoint
 from ._errors import ActorError as ActorError
+from ._errors import DeadlockError as DeadlockError
+from ._errors import Failure as Failure
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import SupervisionError as SupervisionError
@@ -26,6 +28,7 @@ from ._proc_mesh import ProcMesh as ProcMesh
 from ._run import run as run
 from ._shape import Point as Point
 from ._shape import Shape as Shape
+from ._supervision import RestartPolicy as RestartPolicy
 from ._value_mesh import ValueMesh as ValueMesh
 
 __version__ = "0.1.0"
@@ -34,11 +37,14 @@ __all__ = [
     "Actor",
     "ActorError",
     "ActorMesh",
+    "DeadlockError",
+    "Failure",
     "LocalHost",
     "MeshEndpoint",
     "Point",
     "ProcMesh",
     "ProtocolError",
+    "RestartPolicy",
     "RemoteTraceback",
     "Shape",
     "SupervisionError",

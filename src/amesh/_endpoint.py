@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import anyio
 
 from . import _codec, _wire
-from ._errors import ActorError, SupervisionError
+from ._errors import ActorError, DeadlockError, Failure, SupervisionError
 from ._runtime._runtime import Pending, Runtime, current_runtime
 from ._shape import Point, Shape
 from ._value_mesh import ValueMesh
@@ -57,13 +57,16 @@ class MeshEndpoint(Generic[R]):
 
     def _raise(self, shape: Shape, rank: int, value: Any) -> None:
         if isinstance(value, _wire.Error):
-            raise ActorError(
-                value.type_name,
-                value.message,
-                value.traceback,
-                self._mesh.name,
-                {**shape.coords(rank), "rank": rank},
-            )
+            point = {**shape.coords(rank), "rank": rank}
+            if value.type_name == "amesh.SupervisionError":
+                # the actor failed, or an endpoint's own supervision scope did
+                failure = Failure(f"actor {self._mesh.name!r}", rank, None, value.message)
+                raise SupervisionError(
+                    f"{self._mesh.name}.{self._desc.name} at rank {rank}: {value.message}",
+                    [failure],
+                )
+            cls = DeadlockError if value.type_name == "amesh.DeadlockError" else ActorError
+            raise cls(value.type_name, value.message, value.traceback, self._mesh.name, point)
         if isinstance(value, SupervisionError):
             raise SupervisionError(
                 f"{self._mesh.name}.{self._desc.name} at rank {rank}: {value.message}",

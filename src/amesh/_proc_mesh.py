@@ -461,7 +461,8 @@ class ProcMesh(MeshView):
         assert st is not None and stack is not None
         with anyio.CancelScope(shield=True):
             await self._shutdown(st)
-        suppressed = await stack.__aexit__(*pass_cancellation(exc_type, exc, tb))
+        passed = pass_cancellation(exc_type, exc, tb)
+        suppressed = bool(await stack.__aexit__(*passed)) and passed[1] is not None
         if st.unhandled and (exc is None or suppressed or is_supervision(exc)):
             failures = list(st.unhandled)
             raise SupervisionError(

@@ -82,6 +82,9 @@ async def _serve(boot: Bootstrap) -> None:
 
 def main() -> None:
     boot = msgspec.json.decode(os.environ.pop("AMESH_BOOTSTRAP"), type=Bootstrap)
+    # A terminal's Ctrl-C reaches the whole process group; the controller decides
+    # what it means and stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(boot.parent_pid)
     sys.path[:] = boot.sys_path
     logging.basicConfig(

@@ -1,8 +1,8 @@
 """One actor instance in this process: its mailbox, dispatch loop and failure state.
 
-Messages are taken in arrival order (so per-sender FIFO holds). Serial endpoints are
-awaited before the next message is taken; concurrent endpoints start in order and
-interleave at their awaits. The instance's task group also hosts the watchers of the
+Messages start in arrival order (so per-sender FIFO holds). Serial handlers run one at
+a time, each after the previous one finished; concurrent handlers start as soon as
+every earlier message has started, and interleave with everything at their awaits. The instance's task group also hosts the watchers of the
 meshes the actor owns, so they live exactly as long as the actor.
 """
 
@@ -104,6 +104,7 @@ class ActorInstance:
         self.owned: list[Owned] = []
         self.tg: TaskGroup | None = None
         self._running: set[anyio.CancelScope] = set()
+        self._serial_done: anyio.Event | None = None
         self._drained = anyio.Event()
         self._stopping = anyio.Event()
         #: set when the dispatch loop has ended
@@ -149,8 +150,23 @@ class ActorInstance:
             handler = self.handlers.get(env.method)
             if handler is not None and handler.concurrent:
                 tg.start_soon(self._handle, env, handler)
-            else:
-                await self._handle(env, handler)
+                continue
+            # A serial message starts once the previous serial handler has finished.
+            # Meanwhile the loop takes nothing else, so messages start in arrival order;
+            # but concurrent handlers that already started keep running, which is what
+            # lets a serial handler be re-entered through a concurrent endpoint.
+            if self._serial_done is not None:
+                await self._serial_done.wait()
+            done = self._serial_done = anyio.Event()
+            tg.start_soon(self._handle_serial, env, handler, done)
+
+    async def _handle_serial(
+        self, env: _wire.Call | _wire.Cast, handler: Handler | None, done: anyio.Event
+    ) -> None:
+        try:
+            await self._handle(env, handler)
+        finally:
+            done.set()
 
     def chain_entry(self, method: str) -> str:
         return f"{self.runtime.address}#{self.key}#{self.label(method)}"

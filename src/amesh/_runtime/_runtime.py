@@ -232,11 +232,19 @@ class Runtime:
         """Send one :class:`~amesh._wire.Call` per target rank of ``pending``."""
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
+        dead = [(r, a) for r, a in pending.targets.items() if a in self.dead]
+        if dead:
+            # All or nothing: a call that includes a dead rank fails at once and
+            # reaches no rank at all.
+            for rank, addr in list(pending.targets.items()):
+                why = self.dead.get(addr)
+                if why is not None:
+                    self._fail_rank(pending, rank, addr, why)
+                else:
+                    del pending.targets[rank]
+                    self._dec_inflight(addr, pending.actor)
+            return
         for rank, addr in list(pending.targets.items()):
-            why = self.dead.get(addr)
-            if why is not None:
-                self._fail_rank(pending, rank, addr, why)
-                continue
             env = _wire.Call(
                 self.address,
                 pending.call_id,
@@ -267,10 +275,11 @@ class Runtime:
     ) -> None:
         """Send one :class:`~amesh._wire.Cast` per target: no reply is expected."""
         call_id = self.next_id()
-        for rank, addr in targets.items():
+        for addr in targets.values():
             why = self.dead.get(addr)
             if why is not None:
                 raise SupervisionError(str(why), [why])
+        for rank, addr in targets.items():
             env = _wire.Cast(self.address, call_id, rank, actor, method, labels, sizes, payload)
             await self.send_frame(addr, env)
 
@@ -469,7 +478,10 @@ class open_runtime:
             inst.close()
         self._tg.cancel_scope.cancel()
         try:
-            suppressed = await self._tg.__aexit__(*pass_cancellation(*exc))
+            passed = pass_cancellation(*exc)
+            # Only an exception handed in may be swallowed (our own cancellation);
+            # anything else (KeyboardInterrupt, the body's errors) must propagate.
+            suppressed = bool(await self._tg.__aexit__(*passed)) and passed[1] is not None
         finally:
             rt.transport.close()
         if rt.root_failures and (exc[1] is None or suppressed or is_supervision(exc[1])):
