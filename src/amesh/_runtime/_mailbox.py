@@ -1,9 +1,10 @@
 """One actor instance in this process: its mailbox, dispatch loop and failure state.
 
-Messages start in arrival order (so per-sender FIFO holds). Serial handlers run one at
-a time, each after the previous one finished; concurrent handlers start as soon as
-every earlier message has started, and interleave with everything at their awaits. The instance's task group also hosts the watchers of the
-meshes the actor owns, so they live exactly as long as the actor.
+Messages start in arrival order (so per-sender FIFO holds). Serial handlers run one
+at a time, each after the previous one finished; concurrent handlers start as soon as
+every earlier message has started, and interleave with everything at their awaits.
+The instance's task group also hosts the watchers of the meshes the actor owns, so
+they live exactly as long as the actor.
 """
 
 from __future__ import annotations
