@@ -15,9 +15,9 @@ import pytest
 
 import amesh
 from amesh import ProcMesh, SupervisionError
+from amesh.testing._leaks import ipc_dir
 
 from .actors import BadInit, Counter
-from .conftest import IPC_DIR
 
 pytestmark = pytest.mark.anyio
 
@@ -103,7 +103,7 @@ async def test_other_transports(scheme: str, monkeypatch: pytest.MonkeyPatch) ->
             if scheme == "tcp":
                 assert all(a.startswith("tcp://127.0.0.1:") for a in addrs)
             else:
-                assert all(os.path.dirname(a[len("ipc://") :]) == IPC_DIR for a in addrs)
+                assert all(os.path.dirname(a[len("ipc://") :]) == ipc_dir() for a in addrs)
             c = await procs.spawn("c", Counter)
             assert (await c.incr.call(3)).values() == [3, 3]
             assert sum((await c.incr.call()).values()) == 8

@@ -35,7 +35,7 @@ from . import _codec
 from ._actor import Actor
 from ._actor_mesh import ActorMesh
 from ._errors import ActorError, Failure, SupervisionError
-from ._hosts._local import LocalHost, ProcHandle, describe_exit, this_host
+from ._hosts._local import Host, ProcHandle, describe_exit, this_host
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime._context import call_context, runtime_var
 from ._runtime._mailbox import ActorInstance
@@ -135,14 +135,14 @@ class ProcMesh(MeshView):
         self,
         per_host: Mapping[str, int] | None = None,
         *,
-        host: LocalHost | None = None,
+        host: Host | None = None,
         env: Mapping[str, str] | None = None,
         supervise: Supervisor | None = None,
         heartbeat_period: float | None = None,
         heartbeat_timeout: float | None = None,
     ) -> None:
         self._shape = Shape.from_sizes(per_host if per_host is not None else {"procs": 1})
-        self._host = host or this_host()
+        self._host: Host = host or this_host()
         self._env = dict(env or {})
         self._supervise = supervise
         self._hb_period = heartbeat_period or _env_float("AMESH_HEARTBEAT_PERIOD", 0.5)

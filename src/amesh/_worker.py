@@ -13,6 +13,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import anyio
 import msgspec
@@ -22,9 +25,10 @@ from . import _wire
 from ._actor import handlers_of
 from ._hosts._local import Bootstrap
 from ._proc_agent import AGENT_KEY, ProcAgent
+from ._runtime._context import call_context
 from ._runtime._mailbox import ActorInstance
-from ._runtime._runtime import open_runtime
-from ._transport import NngTransport
+from ._runtime._runtime import Runtime, open_runtime
+from ._transport import NngTransport, Transport
 
 _PR_SET_PDEATHSIG = 1
 
@@ -58,26 +62,55 @@ def _send_heartbeats(boot: Bootstrap, addr: str, stop: threading.Event) -> None:
                 pass  # the parent is slow; a later beat will do
 
 
-async def _serve(boot: Bootstrap) -> None:
+async def serve(
+    transport_factory: Callable[[], Transport],
+    parent: str,
+    token: str,
+    heartbeats: Callable[[Runtime], AbstractContextManager[Any]],
+) -> None:
+    """Run a worker runtime until its owner asks it to exit.
+
+    Args:
+        transport_factory: makes the worker's transport.
+        parent: the owner's address (gets Ready, heartbeats and failure reports).
+        token: echoed in Ready so the owner can match this worker.
+        heartbeats: a context manager that sends heartbeats while it is entered.
+    """
+    call_context.set(None)  # a worker starts outside any actor's call
     shutdown = anyio.Event()
-    async with open_runtime(lambda: NngTransport(boot.scheme, host=boot.host)) as rt:
+    async with open_runtime(transport_factory) as rt:
         agent = ProcAgent(shutdown)
         rt.add_actor(
-            ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), boot.parent, 0)
+            ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), parent, 0)
         )
-        await rt.send_frame(boot.parent, _wire.Ready(boot.token, rt.address, rt.pid))
-        stop = threading.Event()
-        beats = threading.Thread(
-            target=_send_heartbeats,
-            args=(boot, rt.address, stop),
-            name="amesh-heartbeat",
-            daemon=True,
-        )
-        beats.start()
-        try:
+        await rt.send_frame(parent, _wire.Ready(token, rt.address, rt.pid))
+        with heartbeats(rt):
             await shutdown.wait()
-        finally:
-            stop.set()
+
+
+@contextmanager
+def _thread_heartbeats(boot: Bootstrap, rt: Runtime) -> Iterator[None]:
+    stop = threading.Event()
+    beats = threading.Thread(
+        target=_send_heartbeats,
+        args=(boot, rt.address, stop),
+        name="amesh-heartbeat",
+        daemon=True,
+    )
+    beats.start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+async def _serve(boot: Bootstrap) -> None:
+    await serve(
+        lambda: NngTransport(boot.scheme, host=boot.host),
+        boot.parent,
+        boot.token,
+        lambda rt: _thread_heartbeats(boot, rt),
+    )
 
 
 def main() -> None:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ._local import LocalHost, ProcHandle, this_host
+from ._local import Host, LocalHost, ProcHandle, this_host
 
-__all__ = ["LocalHost", "ProcHandle", "this_host"]
+__all__ = ["Host", "LocalHost", "ProcHandle", "this_host"]

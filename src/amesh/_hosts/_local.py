@@ -8,11 +8,10 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
-from anyio.abc import Process
 
 from .. import _wire
 from .._errors import SupervisionError
@@ -21,7 +20,7 @@ from .._runtime._runtime import Runtime
 if TYPE_CHECKING:
     from .._proc_mesh import ProcMesh
 
-__all__ = ["LocalHost", "ProcHandle", "describe_exit", "this_host"]
+__all__ = ["Host", "LocalHost", "ProcHandle", "ProcessLike", "describe_exit", "this_host"]
 
 #: How long a worker may take from exec to listening.
 STARTUP_TIMEOUT = 60.0
@@ -50,10 +49,25 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+class ProcessLike(Protocol):
+    """What a host hands back for a worker: an OS process or a stand-in for one."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class ProcHandle:
     """One worker process: its address, pid and OS handle."""
 
-    def __init__(self, addr: str, pid: int, process: Process) -> None:
+    def __init__(self, addr: str, pid: int, process: ProcessLike) -> None:
         self.addr = addr
         self.pid = pid
         self.process = process
@@ -79,6 +93,22 @@ class ProcHandle:
                 proc.kill()
                 await proc.wait()
             await proc.aclose()
+
+
+class Host(Protocol):
+    """Where a ProcMesh's processes come from (this machine, later agents and SLURM)."""
+
+    async def start_proc(
+        self,
+        rt: Runtime,
+        scheme: str,
+        host: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        heartbeat_period: float = 0.5,
+    ) -> ProcHandle:
+        """Start one worker that reports Ready to ``rt`` and heartbeats to it."""
+        ...
 
 
 class LocalHost:

@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .. import _codec, _wire
 from .._shape import Shape
-from ._context import CallContext, call_context
+from ._context import CallContext, call_context, runtime_var
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -126,6 +126,10 @@ class ActorInstance:
 
     async def run(self) -> None:
         """The dispatch loop; returns once the actor is stopped."""
+        # This task may have been started from another runtime's context (in-process
+        # workers); its handlers must see their own runtime.
+        runtime_var.set(self.runtime)
+        call_context.set(None)
         try:
             async with anyio.create_task_group() as tg:
                 self.tg = tg

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -28,12 +28,16 @@ __all__ = ["Pending", "Runtime", "RuntimeStats", "current_runtime"]
 
 log = logging.getLogger("amesh.runtime")
 
+#: How many recent requests are remembered to drop duplicates.
+_RECENT = 65536
+
 
 class RuntimeStats(msgspec.Struct, frozen=True):
     """Counters of one runtime (immutable snapshot)."""
 
     address: str
     frames_dropped: int
+    duplicates_dropped: int
     bad_version: int
     calls_sent: int
     calls_pending: int
@@ -119,6 +123,9 @@ class Runtime:
         #: unhandled failures of those meshes; they cancel the runtime's body
         self.root_failures: list[Failure] = []
         self._frames_dropped = 0
+        self._duplicates = 0
+        #: (sender, call id) of recent requests, to drop duplicated frames
+        self._recent: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._bad_version = 0
         self._calls_sent = 0
 
@@ -132,6 +139,7 @@ class Runtime:
         return RuntimeStats(
             address=self.address,
             frames_dropped=self._frames_dropped,
+            duplicates_dropped=self._duplicates,
             bad_version=self._bad_version,
             calls_sent=self._calls_sent,
             calls_pending=len(self.pending),
@@ -370,6 +378,13 @@ class Runtime:
                         f"no actor {env.actor!r} is running in process {self.pid}",
                     )
                 return
+            key = (env.sender, env.call_id)
+            if key in self._recent:
+                self._duplicates += 1  # at most once: a duplicated frame runs nothing
+                return
+            self._recent[key] = None
+            if len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
             if inst.failed is not None:
                 self._tg.start_soon(inst.refuse, env)
                 return

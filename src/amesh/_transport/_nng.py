@@ -31,12 +31,19 @@ _SEND_BUFFER = 1024
 _RECV_BUFFER = 1024
 
 
+def ipc_dir() -> str:
+    """Where ipc:// socket files go: ``AMESH_IPC_DIR``, else ``$TMPDIR/amesh-<uid>``."""
+    return os.environ.get("AMESH_IPC_DIR") or os.path.join(
+        tempfile.gettempdir(), f"amesh-{os.getuid()}"
+    )
+
+
 def _fresh_address(scheme: str, host: str) -> str:
     name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     if scheme == "abstract":
         return f"abstract://{name}"
     if scheme == "ipc":
-        base = os.path.join(tempfile.gettempdir(), f"amesh-{os.getuid()}")
+        base = ipc_dir()
         os.makedirs(base, mode=0o700, exist_ok=True)
         return f"ipc://{os.path.join(base, name)}.sock"
     if scheme == "tcp":

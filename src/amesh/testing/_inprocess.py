@@ -1,0 +1,158 @@
+"""A host whose "processes" are runtimes in this process, on this event loop.
+
+``ProcMesh(per_host=..., host=InProcessHost())`` behaves like a mesh of real
+processes (same runtime, same messages, same supervision) but starts in microseconds,
+runs on asyncio and trio alike, and lets a test kill, stop and continue a "process"
+deterministically.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .. import _wire
+from .._hosts._local import ProcHandle
+from .._runtime._runtime import Runtime
+from .._transport import NngTransport, Transport
+from ._memory import MemoryTransport
+
+if TYPE_CHECKING:
+    from .._proc_mesh import ProcMesh
+
+__all__ = ["InProcessHost", "InProcessWorker"]
+
+log = logging.getLogger("amesh.testing")
+
+_pids = itertools.count(1_000_000_000)
+
+
+class InProcessWorker:
+    """Stands in for an OS process: ``wait``, ``kill``, ``terminate``, ``returncode``."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.pid = next(_pids)
+        self.transport = transport
+        self.returncode: int | None = None
+        self._exit_code: int | None = None
+        self._scope = anyio.CancelScope()
+        self._exited = anyio.Event()
+
+    async def run(self, parent: str, token: str, heartbeat_period: float) -> None:
+        from .._worker import serve
+
+        @contextmanager
+        def heartbeats(rt: Runtime) -> Iterator[None]:
+            rt.start_soon(self._beat, rt, parent, heartbeat_period)
+            yield
+
+        code = 0
+        try:
+            with self._scope:
+                await serve(lambda: self.transport, parent, token, heartbeats)
+        except Exception:
+            log.exception("in-process worker %d crashed", self.pid)
+            code = 1
+        finally:
+            self.transport.close()
+            self.returncode = self._exit_code if self._exit_code is not None else code
+            self._exited.set()
+
+    async def _beat(self, rt: Runtime, parent: str, period: float) -> None:
+        frame = _wire.encode(_wire.Heartbeat(rt.address, rt.pid))
+        while True:
+            await rt.transport.send(parent, frame)
+            await anyio.sleep(period)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _end(self, code: int) -> None:
+        if self.returncode is None and self._exit_code is None:
+            self._exit_code = code
+            self._scope.cancel()
+
+    def kill(self) -> None:
+        """Like SIGKILL: the worker stops at once; nothing runs its cleanup."""
+        self._end(-9)
+
+    def terminate(self) -> None:
+        self._end(-15)
+
+    async def aclose(self) -> None:
+        await self.wait()
+
+    def pause(self) -> None:
+        """Like SIGSTOP: nothing is delivered or sent (memory transport only)."""
+        if not isinstance(self.transport, MemoryTransport):
+            raise TypeError("pause() needs the memory transport")
+        self.transport.pause()
+
+    def resume(self) -> None:
+        """Like SIGCONT."""
+        if isinstance(self.transport, MemoryTransport):
+            self.transport.resume()
+
+
+class InProcessHost:
+    """Runs each worker of a ProcMesh as a runtime in this process.
+
+    The workers use the controller's kind of transport: the memory transport when
+    the controller runs on one (``amesh.testing.open_runtime(MemoryTransport())``),
+    NNG sockets otherwise. They live in the controller runtime's task group, so they
+    end with it, as real workers die with their controller.
+    """
+
+    def __init__(self) -> None:
+        self.workers: dict[int, InProcessWorker] = {}
+
+    def __repr__(self) -> str:
+        return "<InProcessHost>"
+
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, **kwargs: Any) -> ProcMesh:
+        """A ProcMesh of in-process workers; enter or await it to start them."""
+        from .._proc_mesh import ProcMesh
+
+        return ProcMesh(per_host, host=self, **kwargs)
+
+    def _transport(self, scheme: str, host: str) -> Transport:
+        if scheme == "memory":
+            return MemoryTransport()
+        return NngTransport(scheme, host=host)
+
+    async def start_proc(
+        self,
+        rt: Runtime,
+        scheme: str,
+        host: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        heartbeat_period: float = 0.5,
+    ) -> ProcHandle:
+        worker = InProcessWorker(self._transport(scheme, host))
+        token = uuid.uuid4().hex
+        ready = anyio.Event()
+        box: list[_wire.Ready] = []
+
+        def on_ready(msg: _wire.Ready) -> None:
+            box.append(msg)
+            ready.set()
+
+        rt.ready_waiters[token] = on_ready
+        rt.task_group.start_soon(worker.run, rt.address, token, heartbeat_period)
+        with anyio.fail_after(30):
+            await ready.wait()
+        self.workers[worker.pid] = worker
+        return ProcHandle(box[0].addr, worker.pid, worker)
+
+    def worker(self, pid: int) -> InProcessWorker:
+        """The worker with fake ``pid`` (as in ``procs.pids``)."""
+        return self.workers[pid]

@@ -1,0 +1,54 @@
+"""Leak checks: child processes and socket files that outlive a test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .._transport._nng import ipc_dir
+
+__all__ = ["LeakError", "child_pids", "ipc_dir", "no_leaks", "socket_files"]
+
+
+class LeakError(AssertionError):
+    """Something outlived the block that should have cleaned it up."""
+
+
+def child_pids(pid: int | None = None) -> set[int]:
+    """Direct children of ``pid`` (this process by default), zombies included (Linux)."""
+    pid = pid or os.getpid()
+    out: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out.update(int(x) for x in f.read().split())
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def socket_files() -> set[str]:
+    """amesh's socket files that exist now."""
+    try:
+        return set(os.listdir(ipc_dir()))
+    except FileNotFoundError:
+        return set()
+
+
+@contextmanager
+def no_leaks() -> Iterator[None]:
+    """Raise :class:`LeakError` if the block leaves a child process or socket file."""
+    kids = child_pids()
+    files = socket_files()
+    yield
+    leaked = child_pids() - kids
+    if leaked:
+        raise LeakError(f"leaked child processes {sorted(leaked)}")
+    new_files = socket_files() - files
+    if new_files:
+        raise LeakError(f"leaked socket files {sorted(new_files)}")

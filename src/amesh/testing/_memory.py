@@ -1,0 +1,142 @@
+"""An in-memory transport: runtimes in one process (one event loop) talk directly."""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+
+from .._transport import TransportClosed, TransportStats
+
+__all__ = ["MemoryTransport"]
+
+_registry: dict[str, MemoryTransport] = {}
+
+
+class MemoryTransport:
+    """A :class:`~amesh._transport.Transport` whose peers live in this process.
+
+    Frames are handed over by reference into the receiver's queue, in order. A frame
+    to an address that is gone is dropped (as a dead process would drop it).
+    ``pause()`` and ``resume()`` stand in for SIGSTOP and SIGCONT: a paused transport
+    neither delivers nor sends.
+
+    Args:
+        max_queue: frames a receiver holds before senders wait (back-pressure).
+    """
+
+    def __init__(self, max_queue: int = 10_000) -> None:
+        self._address = f"memory://{uuid.uuid4().hex}"
+        self._queue: deque[bytes] = deque()
+        self._max_queue = max_queue
+        self._arrived: anyio.Event | None = None
+        self._room: anyio.Event | None = None
+        self._resumed: anyio.Event | None = None
+        self._closed = False
+        self._sent = self._received = self._bytes_sent = self._bytes_received = 0
+        _registry[self._address] = self
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def max_frame(self) -> int:
+        return 2**31 - 1
+
+    @property
+    def paused(self) -> bool:
+        return self._resumed is not None
+
+    def pause(self) -> None:
+        """Stop delivering and sending until :meth:`resume`."""
+        if self._resumed is None:
+            self._resumed = anyio.Event()
+
+    def resume(self) -> None:
+        """Deliver and send again."""
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
+
+    def _push(self, frame: bytes) -> bool:
+        if len(self._queue) >= self._max_queue:
+            return False
+        self._queue.append(frame)
+        self._received += 1
+        self._bytes_received += len(frame)
+        if self._arrived is not None:
+            self._arrived.set()
+        return True
+
+    def try_send(self, addr: str, frame: bytes) -> bool:
+        if self._closed:
+            raise TransportClosed("transport is closed")
+        if len(frame) > self.max_frame:
+            raise ValueError(f"message of {len(frame)} bytes exceeds the transport limit")
+        if self.paused:
+            return False
+        peer = _registry.get(addr)
+        if peer is not None and not peer._push(frame):
+            return False
+        self._sent += 1
+        self._bytes_sent += len(frame)
+        return True
+
+    async def send(self, addr: str, frame: bytes) -> None:
+        while not self.try_send(addr, frame):
+            if self._resumed is not None:
+                await self._resumed.wait()
+                continue
+            peer = _registry.get(addr)
+            if peer is None:
+                continue
+            if peer._room is None:
+                peer._room = anyio.Event()
+            await peer._room.wait()
+
+    async def serve(self, deliver: Callable[[bytes], None]) -> None:
+        while True:
+            if self._closed:
+                raise TransportClosed("transport is closed")
+            if self._resumed is not None:
+                await self._resumed.wait()
+                continue
+            if not self._queue:
+                self._arrived = anyio.Event()
+                await self._arrived.wait()
+                self._arrived = None
+                continue
+            # Deliver a batch, then let other tasks run.
+            for _ in range(min(len(self._queue), 256)):
+                if self._resumed is not None:
+                    break
+                deliver(self._queue.popleft())
+            if self._room is not None:
+                self._room.set()
+                self._room = None
+            await anyio.lowlevel.checkpoint()
+
+    def forget(self, addr: str) -> None:
+        """Nothing to close: links are not kept."""
+
+    def statistics(self) -> TransportStats:
+        return TransportStats(
+            frames_sent=self._sent,
+            frames_received=self._received,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received,
+            peers=0,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _registry.pop(self._address, None)
+        self._queue.clear()
+        for ev in (self._arrived, self._room, self._resumed):
+            if ev is not None:
+                ev.set()
