@@ -305,3 +305,28 @@ class Cyclic(Actor):
     @endpoint
     async def call_self(self, me: ActorMesh[Cyclic]) -> str:
         return await me.serial_ping.call_one()  # type: ignore[no-any-return]
+
+
+class Model(Actor):
+    """A counter per rank, for the fault-injection state machine."""
+
+    def __init__(self) -> None:
+        self.rank = current_rank().rank
+        self.count = 0
+
+    @endpoint
+    def bump(self) -> tuple[int, int]:
+        self.count += 1
+        return self.rank, self.count
+
+    @endpoint
+    def peek(self) -> tuple[int, int]:
+        return self.rank, self.count
+
+    @endpoint
+    def fail(self) -> None:
+        raise ValueError("model failure")
+
+    @endpoint
+    async def hang(self) -> None:
+        await anyio.sleep_forever()

@@ -439,14 +439,16 @@ class ProcMesh(MeshView):
                 ),
             )
             return
-        st.restarting -= 1
-        st.restarted.set()
-        st.restarted = anyio.Event()
+        # The hooks re-send state before `ready()` returns, so the first call after
+        # it finds the restarted actors as the owner wants them.
         for sp in affected:
             hook = sp.policy.on_restart if sp.policy is not None else None
             if hook is not None:
                 ranks = [r for r, s in enumerate(sp.mesh.shape.slots) if s in slots]
                 await call_hook(hook, sp.mesh, ranks)
+        st.restarting -= 1
+        st.restarted.set()
+        st.restarted = anyio.Event()
 
     # -- stopping -------------------------------------------------------------------------
 
