@@ -18,26 +18,40 @@ pytestmark = pytest.mark.anyio
 
 
 def _stats_call(reply_to: str, call_id: int) -> bytes:
-    payload = _codec.dumps(((), {}))
-    return _wire.encode(
-        _wire.Call(reply_to, call_id, 0, AGENT_KEY, "statistics", ["procs"], [1], payload)
+    payload = _codec.dumps(((), {})).data
+    return _wire.join(
+        _wire.encode(
+            _wire.Call(reply_to, call_id, 0, AGENT_KEY, "statistics", ["procs"], [1], payload)
+        )
     )
 
 
 async def _recv(sock: pynng.Socket) -> _wire.Envelope:
     frame = await anyio.to_thread.run_sync(sock.recv)
-    return _wire.decode(frame)
+    return _wire.decode(frame)[0]
 
 
 def test_wire_roundtrip_and_rejects() -> None:
     env = _wire.Reply(3, 1, b"xyz")
-    assert _wire.decode(_wire.encode(env)) == env
+    frame = _wire.join(_wire.encode(env))
+    assert _wire.decode(frame) == (env, [])
     with pytest.raises(_wire.BadFrame):
         _wire.decode(b"garbage")
     with pytest.raises(_wire.BadFrame):
-        _wire.decode(_wire.encode(env)[:-2])
+        _wire.decode(frame[:-2])
+    # out-of-band buffers follow the envelope and come back as views
+    big = _wire.Reply(4, 0, b"p", [3, 2])
+    parts = _wire.encode(big, [memoryview(b"abc"), memoryview(b"de")])
+    assert isinstance(parts, list) and len(parts) == 3
+    got, bufs = _wire.decode(_wire.join(parts))
+    assert got == big and [bytes(b) for b in bufs] == [b"abc", b"de"]
+    with pytest.raises(_wire.BadFrame, match="truncated"):
+        _wire.decode(_wire.join(parts)[:-1])
+    with pytest.raises(_wire.BadFrame, match="stray"):
+        _wire.decode(_wire.join(parts) + b"x")
     with pytest.raises(_wire.BadVersion) as info:
-        _wire.decode(b"AM\x07" + msgspec.msgpack.encode(["call", "abstract://x", 9, 2, "a"]))
+        body = msgspec.msgpack.encode(["call", "abstract://x", 9, 2, "a"])
+        _wire.decode(b"AM\x07" + len(body).to_bytes(4, "little") + body)
     assert (info.value.version, info.value.sender, info.value.call_id, info.value.rank) == (
         7,
         "abstract://x",
@@ -57,8 +71,12 @@ async def test_garbage_and_truncated_frames_are_dropped_and_counted() -> None:
                 pynng.Push0(dial=worker, send_timeout=20_000) as out,
             ):
                 out.send(b"\x00\x01 this is not a frame")
-                good = _wire.encode(
-                    _wire.Cast(me, 1, 0, c.key, "incr", ["procs"], [1], _codec.dumps(((), {})))
+                good = _wire.join(
+                    _wire.encode(
+                        _wire.Cast(
+                            me, 1, 0, c.key, "incr", ["procs"], [1], _codec.dumps(((), {})).data
+                        )
+                    )
                 )
                 out.send(good[: len(good) // 2])  # truncated
                 out.send(b"")
@@ -84,7 +102,7 @@ async def test_unknown_protocol_version_gets_a_clear_error() -> None:
                 pynng.Push0(dial=worker, send_timeout=20_000) as out,
             ):
                 future = msgspec.msgpack.encode(["call", me, 5, 0, "something", "new"])
-                out.send(b"AM\x63" + future)
+                out.send(b"AM\x63" + len(future).to_bytes(4, "little") + future)
                 reply = await _recv(inbox)
                 assert isinstance(reply, _wire.Error)
                 assert reply.call_id == 5

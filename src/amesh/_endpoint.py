@@ -51,7 +51,7 @@ class MeshEndpoint(Generic[R]):
     def __repr__(self) -> str:
         return f"<endpoint {self._mesh.name}.{self._desc.name} over {self._mesh.sizes}>"
 
-    def _encode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    def _encode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _codec.Payload:
         self._desc.bind_check(args, kwargs)
         return _codec.dumps((args, kwargs))
 
@@ -75,7 +75,12 @@ class MeshEndpoint(Generic[R]):
         raise value
 
     async def _gather(
-        self, rt: Runtime, targets: dict[int, str], shape: Shape, payload: bytes, deadline: float
+        self,
+        rt: Runtime,
+        targets: dict[int, str],
+        shape: Shape,
+        payload: _codec.Payload,
+        deadline: float,
     ) -> AsyncGenerator[tuple[int, Any], None]:
         pending = rt.open_call(self._mesh.key, targets)
         done = False
@@ -87,7 +92,7 @@ class MeshEndpoint(Generic[R]):
                 rank, ok, value = await _next(pending, deadline)
                 if not ok:
                     self._raise(shape, rank, value)
-                yield rank, _codec.loads(value)
+                yield rank, _codec.loads(*value)
             done = True
         finally:
             rt.close_call(pending, cancel=not done)

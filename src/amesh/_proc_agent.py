@@ -32,7 +32,7 @@ class ProcAgent(Actor):
         self,
         key: str,
         name: str,
-        payload: bytes,
+        payload: _codec.Payload,
         owner: str,
         labels: list[str],
         sizes: list[int],
@@ -44,7 +44,7 @@ class ProcAgent(Actor):
         the agent that is rank ``i`` of this call.
         """
         rt = current_runtime()
-        cls, args, kwargs = _codec.loads(payload)
+        cls, args, kwargs = _codec.loads(payload.data, payload.buffers)
         ctx = call_context.get()
         assert ctx is not None
         rank = ranks[ctx.point.rank]

@@ -86,7 +86,7 @@ class _Spawned:
     """How an actor mesh was made, so it can be made again on a restart."""
 
     mesh: ActorMesh[Any]
-    payload: bytes
+    payload: _codec.Payload
     policy: RestartPolicy | None
 
 

@@ -1,12 +1,17 @@
 """The wire schema: msgspec envelopes behind a three-byte preamble.
 
-Every frame is ``MAGIC (2 bytes) | version (1 byte) | msgpack envelope``. Envelopes are
-tagged, array-like msgspec Structs. The first fields of every request envelope are
-stable across protocol versions (``[tag, sender, call_id, rank, ...]``) so that a
-runtime can answer a frame of an unknown version with a clear error.
+Every frame is ``MAGIC (2 bytes) | version (1 byte) | envelope length (u32 LE) |
+msgpack envelope | out-of-band buffers``. Envelopes are tagged, array-like msgspec
+Structs; those that carry a payload list the lengths of its buffers, which follow the
+envelope back to back, so large buffers are never copied into the envelope. The
+first fields of every request envelope are stable across protocol versions
+(``[tag, sender, call_id, rank, ...]``) so that a runtime can answer a frame of an
+unknown version with a clear error.
 """
 
 from __future__ import annotations
+
+import struct
 
 import msgspec
 
@@ -22,13 +27,18 @@ __all__ = [
     "Heartbeat",
     "Ready",
     "Reply",
+    "Frame",
     "decode",
     "encode",
+    "frame_size",
+    "join",
 ]
 
 MAGIC = b"AM"
 VERSION = 1
-_PREFIX = MAGIC + bytes([VERSION])
+_LEN = struct.Struct("<I")
+_HEADER = MAGIC + bytes([VERSION]) + bytes(4)
+_HEADER_LEN = len(_HEADER)
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
@@ -48,6 +58,7 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     sizes: list[int]
     payload: bytes
     chain: list[str] = []
+    buffers: list[int] = []
 
 
 class Cast(msgspec.Struct, tag="cast", array_like=True):
@@ -61,6 +72,7 @@ class Cast(msgspec.Struct, tag="cast", array_like=True):
     labels: list[str]
     sizes: list[int]
     payload: bytes
+    buffers: list[int] = []
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True):
@@ -69,6 +81,7 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
     call_id: int
     rank: int
     payload: bytes
+    buffers: list[int] = []
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):
@@ -140,29 +153,49 @@ class BadVersion(Exception):
         self.rank = rank
 
 
-def encode(env: Envelope) -> bytes:
-    """Encode ``env`` into one frame."""
-    buf = bytearray(_PREFIX)
-    _encoder.encode_into(env, buf, 3)
-    return bytes(buf)
+#: A frame as handed to a transport: one buffer, or parts to be sent back to back.
+Frame = bytes | list[bytes | memoryview]
 
 
-def decode(frame: bytes | memoryview) -> Envelope:
-    """Decode one frame.
+def encode(env: Envelope, buffers: list[memoryview] | None = None) -> Frame:
+    """Encode ``env`` (and the out-of-band ``buffers`` its ``buffers`` field lists)."""
+    buf = bytearray(_HEADER)
+    _encoder.encode_into(env, buf, _HEADER_LEN)
+    _LEN.pack_into(buf, 3, len(buf) - _HEADER_LEN)
+    if not buffers:
+        return bytes(buf)
+    return [bytes(buf), *buffers]
+
+
+def join(frame: Frame) -> bytes:
+    """One bytes object for a frame (copies the parts of a multi-part frame)."""
+    return frame if isinstance(frame, bytes) else b"".join(frame)
+
+
+def frame_size(frame: Frame) -> int:
+    if isinstance(frame, bytes):
+        return len(frame)
+    return sum(memoryview(p).nbytes for p in frame)
+
+
+def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
+    """Decode one frame into its envelope and views of its out-of-band buffers.
 
     Raises:
         BadFrame: not an amesh frame, or truncated/malformed.
         BadVersion: an amesh frame of another protocol version.
     """
     view = memoryview(frame)
-    if len(view) < 3 or view[:2] != MAGIC:
+    if len(view) < _HEADER_LEN or view[:2] != MAGIC:
         raise BadFrame("no amesh preamble")
     version = view[2]
+    (length,) = _LEN.unpack_from(view, 3)
+    end = _HEADER_LEN + length
     if version != VERSION:
         sender: str | None = None
         call_id = rank = 0
         try:
-            head = _loose.decode(view[3:])
+            head = _loose.decode(view[_HEADER_LEN:end])
         except msgspec.DecodeError:
             head = None
         if isinstance(head, list) and len(head) >= 4:
@@ -170,7 +203,20 @@ def decode(frame: bytes | memoryview) -> Envelope:
             if isinstance(s, str) and isinstance(c, int) and isinstance(r, int):
                 sender, call_id, rank = s, c, r
         raise BadVersion(version, sender, call_id, rank)
+    if end > len(view):
+        raise BadFrame("truncated envelope")
     try:
-        return _decoder.decode(view[3:])
+        env = _decoder.decode(view[_HEADER_LEN:end])
     except msgspec.DecodeError as exc:
         raise BadFrame(str(exc)) from None
+    lengths: list[int] = getattr(env, "buffers", None) or []
+    buffers = []
+    pos = end
+    for n in lengths:
+        if n < 0 or pos + n > len(view):
+            raise BadFrame("truncated buffers")
+        buffers.append(view[pos : pos + n])
+        pos += n
+    if pos != len(view):
+        raise BadFrame(f"{len(view) - pos} stray bytes after the envelope")
+    return env, buffers

@@ -53,7 +53,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _send_heartbeats(boot: Bootstrap, addr: str, stop: threading.Event) -> None:
     """Tell the parent we are alive, from a thread: a busy event loop is not dead."""
-    frame = _wire.encode(_wire.Heartbeat(addr, os.getpid()))
+    frame = _wire.join(_wire.encode(_wire.Heartbeat(addr, os.getpid())))
     with pynng.Push0(dial=boot.parent, send_buffer_size=4, send_timeout=1000) as sock:
         while not stop.wait(boot.heartbeat_period):
             try:

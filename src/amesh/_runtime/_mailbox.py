@@ -32,6 +32,9 @@ __all__ = ["ActorInstance", "Handler", "Owned", "error_of", "type_name_of"]
 
 log = logging.getLogger("amesh.actor")
 
+#: A queued request: the envelope and views of its out-of-band buffers.
+_Request = tuple[_wire.Call | _wire.Cast, list[memoryview]]
+
 #: Bounded wait for an actor's ``__cleanup__`` and its owned meshes at stop.
 STOP_TIMEOUT = 10.0
 
@@ -95,9 +98,9 @@ class ActorInstance:
         self.handlers = handlers
         self.owner = owner
         self.rank = rank
-        send, recv = anyio.create_memory_object_stream[_wire.Call | _wire.Cast](math.inf)
-        self._send: MemoryObjectSendStream[_wire.Call | _wire.Cast] = send
-        self._recv: MemoryObjectReceiveStream[_wire.Call | _wire.Cast] = recv
+        send, recv = anyio.create_memory_object_stream[_Request](math.inf)
+        self._send: MemoryObjectSendStream[_Request] = send
+        self._recv: MemoryObjectReceiveStream[_Request] = recv
         self.handled = 0
         #: why the actor failed, once it has
         self.failed: str | None = None
@@ -114,9 +117,9 @@ class ActorInstance:
     def label(self, method: str = "") -> str:
         return f"{self.name}[{self.rank}]" + (f".{method}" if method else "")
 
-    def put(self, env: _wire.Call | _wire.Cast) -> None:
-        """Queue a message (never blocks)."""
-        self._send.send_nowait(env)
+    def put(self, env: _wire.Call | _wire.Cast, buffers: list[memoryview]) -> None:
+        """Queue a message and its out-of-band buffers (never blocks)."""
+        self._send.send_nowait((env, buffers))
 
     def close(self) -> None:
         """Stop taking messages; the loop ends once the queue is drained."""
@@ -143,7 +146,7 @@ class ActorInstance:
 
     async def _loop(self, tg: TaskGroup) -> None:
         rt = self.runtime
-        async for env in self._recv:
+        async for env, buffers in self._recv:
             key = (env.sender, env.call_id)
             rt.queued.discard(key)
             if key in rt.cancelled:
@@ -154,7 +157,7 @@ class ActorInstance:
                 continue
             handler = self.handlers.get(env.method)
             if handler is not None and handler.concurrent:
-                tg.start_soon(self._handle, env, handler)
+                tg.start_soon(self._handle, env, buffers, handler)
                 continue
             # A serial message starts once the previous serial handler has finished.
             # Meanwhile the loop takes nothing else, so messages start in arrival order;
@@ -163,13 +166,17 @@ class ActorInstance:
             if self._serial_done is not None:
                 await self._serial_done.wait()
             done = self._serial_done = anyio.Event()
-            tg.start_soon(self._handle_serial, env, handler, done)
+            tg.start_soon(self._handle_serial, env, buffers, handler, done)
 
     async def _handle_serial(
-        self, env: _wire.Call | _wire.Cast, handler: Handler | None, done: anyio.Event
+        self,
+        env: _wire.Call | _wire.Cast,
+        buffers: list[memoryview],
+        handler: Handler | None,
+        done: anyio.Event,
     ) -> None:
         try:
-            await self._handle(env, handler)
+            await self._handle(env, buffers, handler)
         finally:
             done.set()
 
@@ -192,7 +199,9 @@ class ActorInstance:
                 env.sender, _wire.Error(env.call_id, env.rank, "amesh.SupervisionError", msg, "")
             )
 
-    async def _handle(self, env: _wire.Call | _wire.Cast, handler: Handler | None) -> None:
+    async def _handle(
+        self, env: _wire.Call | _wire.Cast, buffers: list[memoryview], handler: Handler | None
+    ) -> None:
         rt = self.runtime
         key = (env.sender, env.call_id)
         is_call = isinstance(env, _wire.Call)
@@ -211,7 +220,7 @@ class ActorInstance:
             with scope:
                 if handler is None:
                     raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
-                args, kwargs = _codec.loads(env.payload)
+                args, kwargs = _codec.loads(env.payload, buffers)
                 result = handler.fn(self.obj, *args, **kwargs)
                 if inspect.isawaitable(result):
                     result = await result
@@ -231,7 +240,10 @@ class ActorInstance:
             except TypeError as exc:
                 failure = exc
             else:
-                await rt.send_frame(env.sender, _wire.Reply(env.call_id, env.rank, payload))
+                reply = _wire.Reply(
+                    env.call_id, env.rank, payload.data, [b.nbytes for b in payload.buffers]
+                )
+                await rt.send_frame(env.sender, reply, payload.buffers)
                 return
         if failure is None:
             return

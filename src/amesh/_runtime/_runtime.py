@@ -19,6 +19,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from .. import _wire
+from .._codec import Payload
 from .._errors import DeadlockError, Failure, ProtocolError, SupervisionError
 from .._transport import Transport, TransportClosed
 from ._context import call_context, runtime_var
@@ -49,8 +50,8 @@ class RuntimeStats(msgspec.Struct, frozen=True):
 class Pending:
     """Replies to one outgoing call, in arrival order.
 
-    Items are ``(rank, ok, value)``: ``value`` is the payload bytes when ``ok``, else
-    the exception to raise.
+    Items are ``(rank, ok, value)``: ``value`` is ``(pickle bytes, buffers)`` when
+    ``ok``, else the exception to raise.
     """
 
     __slots__ = ("_event", "actor", "call_id", "items", "targets")
@@ -159,12 +160,14 @@ class Runtime:
 
     # -- sending --------------------------------------------------------------------
 
-    async def send_frame(self, addr: str, env: _wire.Envelope) -> None:
+    async def send_frame(
+        self, addr: str, env: _wire.Envelope, buffers: list[memoryview] | None = None
+    ) -> None:
         """Encode and send; a vanished peer is not an error for the sender."""
         if addr in self.dead:
             return
         try:
-            await self.transport.send(addr, _wire.encode(env))
+            await self.transport.send(addr, _wire.encode(env, buffers))
         except TransportClosed:
             pass
 
@@ -180,7 +183,7 @@ class Runtime:
             return
         self._tg.start_soon(self._send_later, addr, frame)
 
-    async def _send_later(self, addr: str, frame: bytes) -> None:
+    async def _send_later(self, addr: str, frame: _wire.Frame) -> None:
         try:
             await self.transport.send(addr, frame)
         except TransportClosed:
@@ -235,11 +238,12 @@ class Runtime:
         method: str,
         labels: list[str],
         sizes: list[int],
-        payload: bytes,
+        payload: Payload,
     ) -> None:
         """Send one :class:`~amesh._wire.Call` per target rank of ``pending``."""
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
+        lengths = [b.nbytes for b in payload.buffers]
         dead = [(r, a) for r, a in pending.targets.items() if a in self.dead]
         if dead:
             # All or nothing: a call that includes a dead rank fails at once and
@@ -261,10 +265,11 @@ class Runtime:
                 method,
                 labels,
                 sizes,
-                payload,
+                payload.data,
                 chain,
+                lengths,
             )
-            await self.send_frame(addr, env)
+            await self.send_frame(addr, env, payload.buffers)
             self._calls_sent += 1
 
     def _fail_rank(self, pending: Pending, rank: int, addr: str, why: Failure) -> None:
@@ -279,17 +284,20 @@ class Runtime:
         method: str,
         labels: list[str],
         sizes: list[int],
-        payload: bytes,
+        payload: Payload,
     ) -> None:
         """Send one :class:`~amesh._wire.Cast` per target: no reply is expected."""
         call_id = self.next_id()
+        lengths = [b.nbytes for b in payload.buffers]
         for addr in targets.values():
             why = self.dead.get(addr)
             if why is not None:
                 raise SupervisionError(str(why), [why])
         for rank, addr in targets.items():
-            env = _wire.Cast(self.address, call_id, rank, actor, method, labels, sizes, payload)
-            await self.send_frame(addr, env)
+            env = _wire.Cast(
+                self.address, call_id, rank, actor, method, labels, sizes, payload.data, lengths
+            )
+            await self.send_frame(addr, env, payload.buffers)
 
     # -- failure of peers -------------------------------------------------------------
 
@@ -318,10 +326,10 @@ class Runtime:
 
     # -- inbound ----------------------------------------------------------------------
 
-    def deliver(self, frame: bytes) -> None:
+    def deliver(self, frame: bytes | memoryview) -> None:
         """Route one inbound frame. Never raises: bad frames are dropped and counted."""
         try:
-            env = _wire.decode(frame)
+            env, buffers = _wire.decode(frame)
         except _wire.BadFrame as exc:
             self._frames_dropped += 1
             log.warning("dropped a malformed frame of %d bytes: %s", len(frame), exc)
@@ -337,7 +345,7 @@ class Runtime:
                 self._try_reply_error(exc.sender, exc.call_id, exc.rank, ProtocolError, msg)
             return
         try:
-            self._route(env)
+            self._route(env, buffers)
         except Exception:  # a router bug must not take the process down
             self._frames_dropped += 1
             log.exception("failed to route %s", type(env).__name__)
@@ -353,7 +361,7 @@ class Runtime:
         except Exception:  # an unreachable or bogus sender address
             log.warning("could not answer %s", sender, exc_info=True)
 
-    def _route(self, env: _wire.Envelope) -> None:
+    def _route(self, env: _wire.Envelope, buffers: list[memoryview]) -> None:
         if isinstance(env, (_wire.Reply, _wire.Error)):
             pending = self.pending.get(env.call_id)
             if pending is None:
@@ -363,7 +371,7 @@ class Runtime:
                 return
             self._dec_inflight(addr, pending.actor)
             if isinstance(env, _wire.Reply):
-                pending.push(env.rank, True, env.payload)
+                pending.push(env.rank, True, (env.payload, buffers))
             else:
                 pending.push(env.rank, False, env)
         elif isinstance(env, (_wire.Call, _wire.Cast)):
@@ -391,7 +399,7 @@ class Runtime:
             if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
                 return
             self.queued.add((env.sender, env.call_id))
-            inst.put(env)
+            inst.put(env, buffers)
         elif isinstance(env, _wire.Cancel):
             key = (env.sender, env.call_id)
             scope = self.running.get(key)

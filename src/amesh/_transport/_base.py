@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
+
+if TYPE_CHECKING:
+    from .._wire import Frame
 
 __all__ = ["Transport", "TransportClosed", "TransportStats"]
 
@@ -40,11 +43,12 @@ class Transport(Protocol):
         """The largest frame, in bytes, that a send accepts."""
         ...
 
-    def try_send(self, addr: str, frame: bytes) -> bool:
-        """Hand ``frame`` over without waiting; False when the link is full."""
+    def try_send(self, addr: str, frame: Frame) -> bool:
+        """Hand ``frame`` (bytes, or a list of parts sent back to back) over without
+        waiting; False when the link is full."""
         ...
 
-    async def send(self, addr: str, frame: bytes) -> None:
+    async def send(self, addr: str, frame: Frame) -> None:
         """Hand ``frame`` to the link towards ``addr``, waiting while it is full.
 
         Raises:
@@ -53,10 +57,11 @@ class Transport(Protocol):
         """
         ...
 
-    async def serve(self, deliver: Callable[[bytes], None]) -> None:
+    async def serve(self, deliver: Callable[[Any], None]) -> None:
         """Receive forever, calling ``deliver`` with every inbound frame.
 
-        ``deliver`` must not block; it runs on the event loop.
+        ``deliver`` gets a bytes-like frame (bytes, or a buffer it may keep views of)
+        and must not block; it runs on the event loop.
         """
         ...
 

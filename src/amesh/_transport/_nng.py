@@ -16,10 +16,12 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pynng
 
+from .._wire import Frame, join
 from ._base import TransportClosed, TransportStats
 
 __all__ = ["NngTransport"]
@@ -111,15 +113,17 @@ class NngTransport:
             self._peers[addr] = sock
         return sock
 
-    def _check(self, frame: bytes) -> None:
-        if len(frame) > self._max_frame:
+    def _check(self, frame: Frame) -> bytes:
+        data = join(frame)
+        if len(data) > self._max_frame:
             raise ValueError(
-                f"message of {len(frame)} bytes exceeds the transport limit of "
+                f"message of {len(data)} bytes exceeds the transport limit of "
                 f"{self._max_frame} bytes"
             )
+        return data
 
-    def try_send(self, addr: str, frame: bytes) -> bool:
-        self._check(frame)
+    def try_send(self, addr: str, frame: Frame) -> bool:
+        frame = self._check(frame)
         sock = self._peer(addr)
         try:
             sock.send(frame, block=False)
@@ -131,7 +135,8 @@ class NngTransport:
         self._bytes_sent += len(frame)
         return True
 
-    async def send(self, addr: str, frame: bytes) -> None:
+    async def send(self, addr: str, frame: Frame) -> None:
+        frame = self._check(frame)  # join once, not at every retry
         if self.try_send(addr, frame):
             return
         # The link is full. Only one task may wait on a given fd (trio insists), so
@@ -144,7 +149,7 @@ class NngTransport:
                     raise TransportClosed(f"link to {addr} was closed")
                 await anyio.wait_readable(sock.send_fd)
 
-    async def serve(self, deliver: Callable[[bytes], None]) -> None:
+    async def serve(self, deliver: Callable[[Any], None]) -> None:
         sock = self._inbox
         fd = sock.recv_fd
         while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -13,9 +14,9 @@ from .._transport import Transport, TransportStats
 __all__ = ["FaultyTransport"]
 
 
-def _kind(frame: bytes) -> str:
+def _kind(frame: _wire.Frame) -> str:
     try:
-        return type(_wire.decode(frame)).__name__
+        return type(_wire.decode(_wire.join(frame))[0]).__name__
     except Exception:
         return "bad"
 
@@ -29,7 +30,7 @@ class _Rule:
     seconds: float = 0.0
     inbound: bool = False
 
-    def matches(self, addr: str, frame: bytes, inbound: bool) -> bool:
+    def matches(self, addr: str, frame: _wire.Frame, inbound: bool) -> bool:
         if self.inbound != inbound or self.remaining == 0:
             return False
         if self.to is not None and addr != self.to:
@@ -108,7 +109,7 @@ class FaultyTransport:
         self._rules.clear()
         self._cut.clear()
 
-    def _match(self, addr: str, frame: bytes, inbound: bool = False) -> _Rule | None:
+    def _match(self, addr: str, frame: _wire.Frame, inbound: bool = False) -> _Rule | None:
         for rule in self._rules:
             if rule.matches(addr, frame, inbound):
                 return rule
@@ -124,7 +125,7 @@ class FaultyTransport:
     def max_frame(self) -> int:
         return self._inner.max_frame
 
-    def try_send(self, addr: str, frame: bytes) -> bool:
+    def try_send(self, addr: str, frame: _wire.Frame) -> bool:
         if addr in self._cut:
             self.dropped += 1
             return True
@@ -145,7 +146,7 @@ class FaultyTransport:
             rule.remaining += 1
         return False
 
-    async def send(self, addr: str, frame: bytes) -> None:
+    async def send(self, addr: str, frame: _wire.Frame) -> None:
         if addr in self._cut:
             self.dropped += 1
             return
@@ -161,8 +162,8 @@ class FaultyTransport:
             await self._inner.send(addr, frame)
         await self._inner.send(addr, frame)
 
-    async def serve(self, deliver: Callable[[bytes], None]) -> None:
-        def filtered(frame: bytes) -> None:
+    async def serve(self, deliver: Callable[[Any], None]) -> None:
+        def filtered(frame: Any) -> None:
             if self._match(self.address, frame, inbound=True) is not None:
                 self.dropped += 1
                 return

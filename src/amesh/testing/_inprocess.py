@@ -65,7 +65,7 @@ class InProcessWorker:
             self._exited.set()
 
     async def _beat(self, rt: Runtime, parent: str, period: float) -> None:
-        frame = _wire.encode(_wire.Heartbeat(rt.address, rt.pid))
+        frame = _wire.join(_wire.encode(_wire.Heartbeat(rt.address, rt.pid)))
         while True:
             await rt.transport.send(parent, frame)
             await anyio.sleep(period)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
 from .._transport import TransportClosed, TransportStats
+from .._wire import Frame, join
 
 __all__ = ["MemoryTransport"]
 
@@ -71,7 +73,8 @@ class MemoryTransport:
             self._arrived.set()
         return True
 
-    def try_send(self, addr: str, frame: bytes) -> bool:
+    def try_send(self, addr: str, frame: Frame) -> bool:
+        frame = join(frame)
         if self._closed:
             raise TransportClosed("transport is closed")
         if len(frame) > self.max_frame:
@@ -85,7 +88,8 @@ class MemoryTransport:
         self._bytes_sent += len(frame)
         return True
 
-    async def send(self, addr: str, frame: bytes) -> None:
+    async def send(self, addr: str, frame: Frame) -> None:
+        frame = join(frame)
         while not self.try_send(addr, frame):
             if self._resumed is not None:
                 await self._resumed.wait()
@@ -97,7 +101,7 @@ class MemoryTransport:
                 peer._room = anyio.Event()
             await peer._room.wait()
 
-    async def serve(self, deliver: Callable[[bytes], None]) -> None:
+    async def serve(self, deliver: Callable[[Any], None]) -> None:
         while True:
             if self._closed:
                 raise TransportClosed("transport is closed")

@@ -1,0 +1,51 @@
+"""Tensors on the wire: CPU memory travels out of band, never through ``torch.save``.
+
+A tensor is sent as its raw bytes (a pickle-5 out-of-band buffer) plus dtype and
+shape. The receiver's tensor is a view of the received frame when the frame is
+writable, else one copy. Non-contiguous tensors arrive contiguous, with the same
+values. CUDA tensors are copied to the CPU by the sender and arrive on the CPU; move
+them with ``.to(device)`` where you want them (amesh never guesses a device).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+__all__ = ["rebuild_tensor", "reduce_tensor"]
+
+
+def reduce_tensor(t: torch.Tensor) -> Any:
+    """``__reduce__`` for a dense tensor, or NotImplemented to pickle it as torch does."""
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return NotImplemented
+    requires_grad = t.requires_grad
+    c = t.detach()
+    if c.device.type != "cpu":
+        c = c.cpu()
+    c = c.resolve_conj().resolve_neg().contiguous()
+    raw = c.reshape(-1).view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
+    buf = pickle.PickleBuffer(raw.numpy())
+    return (
+        rebuild_tensor,
+        (buf, str(c.dtype).removeprefix("torch."), tuple(c.shape), requires_grad),
+    )
+
+
+def rebuild_tensor(
+    buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool
+) -> torch.Tensor:
+    """The receiving side of :func:`reduce_tensor`."""
+    view = memoryview(buf)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    torch_dtype = getattr(torch, dtype)
+    if view.nbytes == 0:
+        t = torch.empty(shape, dtype=torch_dtype)
+    else:
+        t = torch.frombuffer(view, dtype=torch.uint8).view(torch_dtype).reshape(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
