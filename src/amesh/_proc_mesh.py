@@ -67,6 +67,10 @@ log = logging.getLogger("amesh.mesh")
 #: Bounded waits of a polite shutdown, in seconds.
 STOP_ACTORS_TIMEOUT = 5.0
 EXIT_GRACE = 5.0
+#: The same waits once the mesh has failed: survivors are often stuck waiting on the
+#: dead (a collective), so politeness is cut short.
+FAILED_STOP_TIMEOUT = 1.0
+FAILED_EXIT_GRACE = 1.0
 
 
 def default_transport() -> tuple[str, str]:
@@ -500,7 +504,8 @@ class ProcMesh(MeshView):
         rt = st.runtime
         alive = [p for p in st.procs if p.addr not in rt.dead and p.returncode is None]
         agents = self._agents_of(alive)
-        with anyio.move_on_after(STOP_ACTORS_TIMEOUT):
+        failed = bool(st.unhandled)
+        with anyio.move_on_after(FAILED_STOP_TIMEOUT if failed else STOP_ACTORS_TIMEOUT):
             for key in reversed(list(st.spawned)):
                 try:
                     await agents.stop_actor.call(key)
@@ -518,7 +523,7 @@ class ProcMesh(MeshView):
             log.warning("asking workers to exit: %s", exc)
         async with anyio.create_task_group() as tg:
             for p in st.procs:
-                tg.start_soon(p.stop, EXIT_GRACE)
+                tg.start_soon(p.stop, FAILED_EXIT_GRACE if failed else EXIT_GRACE)
         for slot, p in enumerate(st.procs):
             rt.heartbeats.pop(p.addr, None)
             rt.peer_failed(p.addr, self._failure(slot, p, "was stopped by its owner"))

@@ -9,6 +9,7 @@ them with ``.to(device)`` where you want them (amesh never guesses a device).
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 from typing import Any
 
@@ -26,12 +27,25 @@ def reduce_tensor(t: torch.Tensor) -> Any:
     if c.device.type != "cpu":
         c = c.cpu()
     c = c.resolve_conj().resolve_neg().contiguous()
-    raw = c.reshape(-1).view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
-    buf = pickle.PickleBuffer(raw.numpy())
     return (
         rebuild_tensor,
-        (buf, str(c.dtype).removeprefix("torch."), tuple(c.shape), requires_grad),
+        (_raw_buffer(c), str(c.dtype).removeprefix("torch."), tuple(c.shape), requires_grad),
     )
+
+
+def _raw_buffer(c: torch.Tensor) -> pickle.PickleBuffer:
+    """The bytes of contiguous CPU tensor ``c`` as a buffer, without a copy.
+
+    Torch tensors do not export the buffer protocol (and ``.numpy()`` needs numpy); a
+    ctypes array over the data pointer does, and it keeps ``c`` alive for as long as
+    the buffer is referenced.
+    """
+    nbytes = c.numel() * c.element_size()
+    if not nbytes:
+        return pickle.PickleBuffer(b"")
+    arr = (ctypes.c_char * nbytes).from_address(c.data_ptr())
+    arr._amesh_owner = c  # type: ignore[attr-defined]
+    return pickle.PickleBuffer(arr)
 
 
 def rebuild_tensor(
