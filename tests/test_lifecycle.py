@@ -192,3 +192,16 @@ async def test_workers_ignore_sigint() -> None:
             c = await procs.spawn("c", Counter)
             os.kill(procs.pids[0], signal.SIGINT)  # as a terminal's Ctrl-C would
             assert await c.incr.call_one() == 1
+
+
+async def test_parent_death_signal_only_where_the_forking_thread_lives_on(
+    anyio_backend: tuple[str, dict[str, object]],
+) -> None:
+    """trio starts processes from a cached thread that exits after 10 s idle, and the
+    kernel's parent-death signal follows the thread, not the process: a worker started
+    under trio must rely on its stdin pipe alone, or it would die 10 s after start."""
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            stats = (await procs.statistics()).values()[0]
+            expected = 0 if anyio_backend[0] == "trio" else signal.SIGKILL
+            assert stats["parent_death_signal"] == expected

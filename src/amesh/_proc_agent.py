@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 from typing import Any
 
 import anyio
@@ -18,7 +20,17 @@ from ._shape import Shape
 __all__ = ["AGENT_KEY", "ProcAgent"]
 
 AGENT_KEY = "_proc"
+_PR_GET_PDEATHSIG = 2
 log = logging.getLogger("amesh.proc")
+
+
+def _parent_death_signal() -> int:
+    """The signal this process gets when its parent thread exits (0: none; Linux)."""
+    if sys.platform != "linux":
+        return 0
+    sig = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0)
+    return sig.value
 
 
 class ProcAgent(Actor):
@@ -70,7 +82,9 @@ class ProcAgent(Actor):
     @endpoint
     def statistics(self) -> dict[str, Any]:
         """This worker's runtime counters."""
-        return msgspec.structs.asdict(current_runtime().statistics())
+        stats = msgspec.structs.asdict(current_runtime().statistics())
+        stats["parent_death_signal"] = _parent_death_signal()
+        return stats
 
     @endpoint
     def shutdown(self) -> None:

@@ -55,7 +55,7 @@ from ._supervision import (
     call_supervisor,
     restart_policy,
 )
-from ._transport import NngTransport
+from ._transport import open_transport
 from ._value_mesh import MeshView, ValueMesh
 from ._wire import FailureReport
 
@@ -221,7 +221,7 @@ class ProcMesh(MeshView):
             if rt is None or rt.closed:
                 scheme, host = default_transport()
                 rt = await stack.enter_async_context(
-                    open_runtime(lambda: NngTransport(scheme, host=host))
+                    open_runtime(lambda: open_transport(scheme, host=host))
                 )
             tg = await stack.enter_async_context(anyio.create_task_group())
             await self._start(rt, tg)

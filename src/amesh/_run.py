@@ -10,7 +10,7 @@ import anyio
 
 from ._proc_mesh import default_transport
 from ._runtime._runtime import open_runtime
-from ._transport import NngTransport
+from ._transport import open_transport
 
 __all__ = ["run"]
 
@@ -37,7 +37,7 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str | None = Non
 
     async def root() -> T:
         scheme, host = default_transport()
-        async with open_runtime(lambda: NngTransport(scheme, host=host)):
+        async with open_runtime(lambda: open_transport(scheme, host=host)):
             return await main(*args)
 
     return anyio.run(root, backend=backend, backend_options=options)

@@ -167,15 +167,19 @@ def encode(env: Envelope, buffers: list[memoryview] | None = None) -> Frame:
     return [bytes(buf), *buffers]
 
 
-def join(frame: Frame) -> bytes:
+def join(frame: Frame | memoryview) -> bytes:
     """One bytes object for a frame (copies the parts of a multi-part frame)."""
-    return frame if isinstance(frame, bytes) else b"".join(frame)
+    if isinstance(frame, bytes):
+        return frame
+    if isinstance(frame, list):
+        return b"".join(frame)
+    return bytes(frame)
 
 
 def frame_size(frame: Frame) -> int:
-    if isinstance(frame, bytes):
-        return len(frame)
-    return sum(memoryview(p).nbytes for p in frame)
+    if isinstance(frame, list):
+        return sum(memoryview(p).nbytes for p in frame)
+    return len(frame)
 
 
 def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:

@@ -28,16 +28,20 @@ from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime._context import call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
-from ._transport import NngTransport, Transport
+from ._transport import Transport, open_transport
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform == "linux":
+def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
+    # The kernel's parent-death signal fires when the *thread* that forked us exits,
+    # not the process: only safe when the parent forked from a thread that lives as
+    # long as it does (its event loop's thread, under asyncio). trio forks from a
+    # cached worker thread that exits when idle, so there only the pipe watch is used.
+    if pdeathsig and sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid:  # the parent died before we could watch it
         os._exit(1)
 
     def watch_stdin() -> None:
@@ -106,7 +110,7 @@ def _thread_heartbeats(boot: Bootstrap, rt: Runtime) -> Iterator[None]:
 
 async def _serve(boot: Bootstrap) -> None:
     await serve(
-        lambda: NngTransport(boot.scheme, host=boot.host),
+        lambda: open_transport(boot.scheme, host=boot.host),
         boot.parent,
         boot.token,
         lambda rt: _thread_heartbeats(boot, rt),
@@ -118,7 +122,7 @@ def main() -> None:
     # A terminal's Ctrl-C reaches the whole process group; the controller decides
     # what it means and stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(boot.parent_pid)
+    _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
     logging.basicConfig(
         level=os.environ.get("AMESH_LOG_LEVEL", "WARNING"),

@@ -6,12 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
+import sniffio
 
 from .. import _wire
 from .._errors import SupervisionError
@@ -36,6 +38,8 @@ class Bootstrap(msgspec.Struct, frozen=True):
     host: str
     sys_path: list[str]
     heartbeat_period: float
+    #: whether the worker may ask for the kernel's parent-death signal
+    pdeathsig: bool
 
 
 def describe_exit(returncode: int) -> str:
@@ -146,8 +150,21 @@ class LocalHost:
             ready.set()
 
         rt.ready_waiters[token] = on_ready
+        # asyncio (and uvloop) fork from the event loop's own thread; trio forks from a
+        # cached worker thread that exits when idle, which would fire the signal.
+        pdeathsig = (
+            sniffio.current_async_library() == "asyncio"
+            and threading.current_thread() is threading.main_thread()
+        )
         boot = Bootstrap(
-            rt.address, os.getpid(), token, scheme, host, list(sys.path), heartbeat_period
+            rt.address,
+            os.getpid(),
+            token,
+            scheme,
+            host,
+            list(sys.path),
+            heartbeat_period,
+            pdeathsig,
         )
         child_env = dict(os.environ)
         child_env.update(env or {})

@@ -40,6 +40,14 @@ def ipc_dir() -> str:
     )
 
 
+def _notify_closing(fd: int) -> None:
+    """Wake tasks waiting on ``fd`` (ClosedResourceError) before NNG closes it."""
+    try:
+        anyio.notify_closing(fd)
+    except RuntimeError:  # no event loop in this thread: nobody here waits on it
+        pass
+
+
 def _fresh_address(scheme: str, host: str) -> str:
     name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     if scheme == "abstract":
@@ -74,6 +82,7 @@ class NngTransport:
         self._closed = False
         self._peers: dict[str, pynng.Push0] = {}
         self._send_locks: dict[str, anyio.Lock] = {}
+        self._send_fds: dict[str, int] = {}
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
         self._inbox = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=_RECV_BUFFER)
         try:
@@ -147,13 +156,22 @@ class NngTransport:
                 sock = self._peers.get(addr)
                 if sock is None:
                     raise TransportClosed(f"link to {addr} was closed")
-                await anyio.wait_readable(sock.send_fd)
+                fd = self._send_fds.get(addr)
+                if fd is None:
+                    fd = self._send_fds[addr] = sock.send_fd
+                try:
+                    await anyio.wait_readable(fd)
+                except anyio.ClosedResourceError:
+                    raise TransportClosed(f"link to {addr} was closed") from None
 
     async def serve(self, deliver: Callable[[Any], None]) -> None:
         sock = self._inbox
         fd = sock.recv_fd
         while True:
-            await anyio.wait_readable(fd)
+            try:
+                await anyio.wait_readable(fd)
+            except anyio.ClosedResourceError:
+                raise TransportClosed("transport is closed") from None
             while True:
                 try:
                     frame = sock.recv(block=False)
@@ -172,6 +190,9 @@ class NngTransport:
     def forget(self, addr: str) -> None:
         sock = self._peers.pop(addr, None)
         self._send_locks.pop(addr, None)
+        fd = self._send_fds.pop(addr, None)
+        if fd is not None:
+            _notify_closing(fd)
         if sock is not None:
             sock.close()
 
@@ -188,9 +209,13 @@ class NngTransport:
         if self._closed:
             return
         self._closed = True
+        for fd in self._send_fds.values():
+            _notify_closing(fd)
+        self._send_fds.clear()
         for sock in self._peers.values():
             sock.close()
         self._peers.clear()
+        _notify_closing(self._inbox.recv_fd)
         self._inbox.close()
         if self._ipc_path is not None:
             try:

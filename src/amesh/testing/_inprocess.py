@@ -20,7 +20,7 @@ import anyio
 from .. import _wire
 from .._hosts._local import ProcHandle
 from .._runtime._runtime import Runtime
-from .._transport import NngTransport, Transport
+from .._transport import Transport, open_transport
 from ._memory import MemoryTransport
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class InProcessHost:
     def _transport(self, scheme: str, host: str) -> Transport:
         if scheme == "memory":
             return MemoryTransport()
-        return NngTransport(scheme, host=host)
+        return open_transport(scheme, host=host)
 
     async def start_proc(
         self,

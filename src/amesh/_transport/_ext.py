@@ -1,0 +1,238 @@
+"""Transport over NNG with the ``amesh._ext`` C extension on the hot path.
+
+The sockets are pynng's, addressed like :class:`~amesh._transport.NngTransport` (one
+Pull0 inbox, one Push0 per peer). The extension drives the same NNG that pynng loaded:
+
+- Receiving: a receive stays posted on the inbox. Its completion runs on an NNG thread
+  without the GIL, appends the message to a bounded queue in C and, when the queue
+  turns non-empty, writes to an eventfd. The event loop waits on that fd and drains the
+  queue in batches, so there is no thread hop into Python per message.
+- Sending: the frame is copied into an NNG message and handed over with a non-blocking
+  ``nng_sendmsg`` (accepted into the link's buffer, or "full"). Only a full link waits,
+  on the socket's send fd. A frame may also be a list of parts (an envelope and its
+  out-of-band buffers): they are copied back to back into the one message.
+
+Frames are delivered as memoryviews of NNG messages (no copy; writable, since each
+message belongs to its frame alone); a view keeps its message alive, so a frame that
+the receiver keeps stays valid.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pynng
+from pynng import _nng as _pynng_cffi
+
+from .. import _ext
+from .._wire import Frame, frame_size
+from ._base import TransportClosed, TransportStats
+from ._nng import DEFAULT_MAX_FRAME, _fresh_address
+
+__all__ = ["ExtTransport"]
+
+_SEND_BUFFER = 1024
+#: NNG's own receive buffer, and then the extension's queue: both bound memory.
+_RECV_BUFFER = 1024
+_QUEUE = 1024
+#: Frames delivered per wake-up before yielding to other tasks.
+_BATCH = 256
+
+
+def _bind() -> None:
+    """Give the extension the addresses of the functions of pynng's NNG."""
+    ffi, lib = _pynng_cffi.ffi, _pynng_cffi.lib
+    _ext.bind(
+        {name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in _ext.NNG_FUNCTIONS}
+    )
+
+
+_bind()
+# pynng calls nng_fini() at exit; atexit runs handlers last-in first-out, so this one
+# (registered after pynng's) stops the extension's receives while NNG still runs.
+atexit.register(_ext.finalize)
+
+
+def _notify_closing(fd: int) -> None:
+    """Wake a task waiting on ``fd`` (it gets ClosedResourceError) before NNG closes it."""
+    try:
+        anyio.notify_closing(fd)
+    except RuntimeError:  # no event loop in this thread: nobody here can be waiting
+        pass
+
+
+class _Link:
+    """The Push0 socket towards one peer."""
+
+    __slots__ = ("_fd", "id", "lock", "sock")
+
+    def __init__(self, sock: pynng.Push0) -> None:
+        self.sock = sock
+        self.id: int = sock.socket.id
+        self.lock: anyio.Lock | None = None
+        self._fd = -1
+
+    def send_fd(self) -> int:
+        if self._fd < 0:
+            self._fd = self.sock.send_fd
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            _notify_closing(self._fd)
+        self.sock.close()
+
+
+class ExtTransport:
+    """See :class:`amesh._transport.Transport`.
+
+    Args:
+        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto``.
+        host: the address to listen on for tcp.
+        max_frame: the largest frame accepted, in bytes.
+    """
+
+    def __init__(
+        self, scheme: str = "auto", *, host: str = "127.0.0.1", max_frame: int = DEFAULT_MAX_FRAME
+    ) -> None:
+        if scheme == "auto":
+            scheme = "abstract" if sys.platform == "linux" else "ipc"
+        self._max_frame = max_frame
+        self._closed = False
+        self._links: dict[str, _Link] = {}
+        self._sent = self._received = self._bytes_sent = self._bytes_received = 0
+        self._inbox = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=_RECV_BUFFER)
+        try:
+            self._rx = _ext.Receiver(self._inbox.socket.id, _QUEUE)
+            listener = self._inbox.listen(_fresh_address(scheme, host))
+            self._rx.start()
+        except BaseException:
+            self._inbox.close()
+            raise
+        addr = listener.url
+        if scheme == "tcp" and addr.endswith(":0"):
+            # pynng's InAddr.port is in network byte order; its str() is right.
+            port = str(listener.local_address).rsplit(":", 1)[1]
+            addr = addr.rsplit(":", 1)[0] + f":{port}"
+        self._address: str = addr
+        self._ipc_path = addr[len("ipc://") :] if scheme == "ipc" else None
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def max_frame(self) -> int:
+        return self._max_frame
+
+    def _link(self, addr: str) -> _Link:
+        link = self._links.get(addr)
+        if link is None:
+            if self._closed:
+                raise TransportClosed("transport is closed")
+            sock = pynng.Push0(
+                send_buffer_size=_SEND_BUFFER, reconnect_time_min=10, reconnect_time_max=200
+            )
+            try:
+                sock.dial(addr, block=False)
+            except BaseException:
+                sock.close()
+                raise
+            link = self._links[addr] = _Link(sock)
+        return link
+
+    def try_send(self, addr: str, frame: Frame) -> bool:
+        size = frame_size(frame)
+        if size > self._max_frame:
+            raise ValueError(
+                f"message of {size} bytes exceeds the transport limit of {self._max_frame} bytes"
+            )
+        link = self._links.get(addr) or self._link(addr)
+        try:
+            sent = _ext.send(link.id, frame)
+        except _ext.NngError as exc:
+            if exc.errno == _ext.NNG_ECLOSED:
+                raise TransportClosed(f"link to {addr} is closed") from None
+            raise
+        if sent:
+            self._sent += 1
+            self._bytes_sent += size
+        return sent
+
+    async def send(self, addr: str, frame: Frame) -> None:
+        if self.try_send(addr, frame):
+            return
+        # The link is full. Only one task may wait on a given fd (trio insists), so
+        # waiters for the same peer queue on a lock.
+        link = self._links[addr]
+        if link.lock is None:
+            link.lock = anyio.Lock()
+        async with link.lock:
+            while not self.try_send(addr, frame):
+                if self._links.get(addr) is not link:
+                    raise TransportClosed(f"link to {addr} was closed")
+                try:
+                    await anyio.wait_readable(link.send_fd())
+                except anyio.ClosedResourceError:
+                    raise TransportClosed(f"link to {addr} was closed") from None
+
+    async def serve(self, deliver: Callable[[Any], None]) -> None:
+        rx = self._rx
+        fd = rx.fileno()
+        while True:
+            try:
+                batch = rx.drain(_BATCH)
+            except _ext.NngError as exc:
+                if self._closed or exc.errno == _ext.NNG_ECLOSED:
+                    raise TransportClosed("transport is closed") from None
+                raise
+            for msg in batch:
+                if self._closed:
+                    raise TransportClosed("transport is closed")
+                # A view keeps its NNG message alive as long as anyone holds it (or a
+                # view of it): the receiver may keep the frame or parts of it.
+                view = memoryview(msg)
+                self._received += 1
+                self._bytes_received += len(view)
+                deliver(view)
+            if len(batch) < _BATCH:
+                await anyio.wait_readable(fd)
+            else:
+                await anyio.lowlevel.checkpoint()
+
+    def forget(self, addr: str) -> None:
+        link = self._links.pop(addr, None)
+        if link is not None:
+            link.close()
+
+    def statistics(self) -> TransportStats:
+        return TransportStats(
+            frames_sent=self._sent,
+            frames_received=self._received,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received,
+            peers=len(self._links),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        # Stopping the receiver leaves its fd readable, so a serve() wakes up and ends;
+        # the fd itself is closed when the last reference to the receiver goes.
+        self._rx.close()
+        self._inbox.close()
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,175 @@
+"""The actor that :func:`amesh.torch.init_process_group` spawns on every worker.
+
+A worker's default process group belongs to the process, not to this actor: once
+``init`` has run, every actor spawned later in the same process can run collectives.
+Blocking torch calls run in a worker thread, so the worker's event loop keeps serving
+messages (to its other actors, say) while a rank waits for its peers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+
+from .._actor import Actor, current_rank, endpoint
+
+__all__ = ["RankEnv", "TorchSetup"]
+
+#: What one rank is told: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+#: ``MASTER_ADDR`` and ``MASTER_PORT``, set in its ``os.environ``.
+RankEnv = dict[str, str]
+
+#: ``CUDA_VISIBLE_DEVICES`` as the worker started with it (None: unset). Kept so that a
+#: second group in the same process indexes the same devices as the first.
+_inherited_cuda_devices: list[str | None] = []
+
+
+def _timedelta(seconds: float | None) -> datetime.timedelta | None:
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def _visible_device(gpu: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value for the ``gpus`` coordinate ``gpu``.
+
+    It indexes the devices the worker inherited, if ``CUDA_VISIBLE_DEVICES`` was set.
+    """
+    if not _inherited_cuda_devices:
+        _inherited_cuda_devices.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    inherited = _inherited_cuda_devices[0]
+    if inherited is None:
+        return str(gpu)
+    devices = [d.strip() for d in inherited.split(",") if d.strip()]
+    if gpu >= len(devices):
+        raise ValueError(
+            f"gpus coordinate {gpu} is out of range: the worker inherited "
+            f"CUDA_VISIBLE_DEVICES={inherited!r}"
+        )
+    return devices[gpu]
+
+
+class TorchSetup(Actor):
+    """Sets a worker up for ``torch.distributed`` and tears its group down."""
+
+    def __init__(self) -> None:
+        self._listener: socket.socket | None = None
+        self._store: TCPStore | None = None
+        self._initialized = False
+
+    @endpoint
+    def describe(self) -> tuple[str, bool]:
+        """``(hostname, whether this process already has a default group)``."""
+        return socket.gethostname(), dist.is_available() and dist.is_initialized()
+
+    @endpoint
+    def open_store(self, bind_addr: str) -> int:
+        """Listen for the group's TCPStore on ``bind_addr``; returns the port.
+
+        The socket is bound here, on rank 0, and handed to the store, so the port is
+        free by construction and the listener stays on ``bind_addr`` (loopback on one
+        host) rather than on every interface.
+        """
+        family = socket.AF_INET6 if ":" in bind_addr else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((bind_addr, 0))
+            listener.listen(socket.SOMAXCONN)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        port: int = listener.getsockname()[1]
+        return port
+
+    @endpoint
+    async def init(
+        self,
+        envs: list[RankEnv],
+        gpus_dim: bool,
+        backend: str | None,
+        timeout: float | None,
+    ) -> str:
+        """Set this rank's environment and join the default process group.
+
+        Args:
+            envs: one environment per rank, indexed by the flat rank.
+            gpus_dim: set ``CUDA_VISIBLE_DEVICES`` from this rank's ``gpus`` coordinate.
+            backend: the torch.distributed backend; None picks nccl with CUDA, else gloo.
+            timeout: seconds for the store and the group's operations (None: torch's).
+
+        Returns:
+            The backend in use.
+
+        Raises:
+            ValueError: the ``gpus`` coordinate is outside the inherited
+                ``CUDA_VISIBLE_DEVICES``.
+            RuntimeError: CUDA was already initialised here, so ``CUDA_VISIBLE_DEVICES``
+                could not take effect.
+        """
+        point = current_rank()
+        env = envs[point.rank]
+        if gpus_dim:
+            device = _visible_device(point["gpus"])
+            cuda_started: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            if os.environ.get("CUDA_VISIBLE_DEVICES") != device and cuda_started:
+                raise RuntimeError(
+                    "CUDA is already initialised in this worker, so CUDA_VISIBLE_DEVICES "
+                    "cannot take effect: call amesh.torch.init_process_group before any "
+                    "actor touches CUDA, or pass cuda_visible_devices=False"
+                )
+            os.environ["CUDA_VISIBLE_DEVICES"] = device
+        os.environ.update(env)
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return await anyio.to_thread.run_sync(
+            self._join, env, backend, timeout, gpus_dim, abandon_on_cancel=True
+        )
+
+    def _join(self, env: RankEnv, backend: str, timeout: float | None, gpus_dim: bool) -> str:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        store_timeout = _timedelta(timeout) or datetime.timedelta(seconds=300)
+        # The store takes ownership of the listening socket (it closes the fd).
+        listen_fd = self._listener.detach() if self._listener is not None else None
+        self._listener = None
+        self._store = TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            world_size,
+            is_master=listen_fd is not None,
+            timeout=store_timeout,
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
+        )
+        kwargs: dict[str, Any] = {}
+        if "nccl" in backend:
+            # One device per process: the rank's GPU is device 0 under its own
+            # CUDA_VISIBLE_DEVICES, else the LOCAL_RANK-th visible one.
+            index = 0 if gpus_dim else int(env["LOCAL_RANK"]) % torch.cuda.device_count()
+            kwargs["device_id"] = torch.device("cuda", index)
+        dist.init_process_group(
+            backend,
+            store=self._store,
+            rank=rank,
+            world_size=world_size,
+            timeout=_timedelta(timeout),
+            **kwargs,
+        )
+        self._initialized = True
+        return str(dist.get_backend())
+
+    async def __cleanup__(self) -> None:
+        """Destroy the default process group this actor made (runs at ProcMesh exit)."""
+        if self._initialized and dist.is_initialized():
+            await anyio.to_thread.run_sync(dist.destroy_process_group, abandon_on_cancel=True)
+        self._initialized = False
+        self._store = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
