@@ -19,6 +19,7 @@ the receiver keeps stays valid.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pynng
+import sniffio
 from pynng import _nng as _pynng_cffi
 
 from .. import _ext
@@ -183,6 +185,9 @@ class ExtTransport:
                     raise TransportClosed(f"link to {addr} was closed") from None
 
     async def serve(self, deliver: Callable[[Any], None]) -> None:
+        if sniffio.current_async_library() == "asyncio":
+            await self._serve_asyncio(deliver)
+            return
         rx = self._rx
         fd = rx.fileno()
         while True:
@@ -205,6 +210,49 @@ class ExtTransport:
                 await anyio.wait_readable(fd)
             else:
                 await anyio.lowlevel.checkpoint()
+
+    def _drain_into(self, deliver: Callable[[Any], None]) -> int:
+        try:
+            batch = self._rx.drain(_BATCH)
+        except _ext.NngError as exc:
+            if self._closed or exc.errno == _ext.NNG_ECLOSED:
+                raise TransportClosed("transport is closed") from None
+            raise
+        for msg in batch:
+            if self._closed:
+                raise TransportClosed("transport is closed")
+            view = memoryview(msg)
+            self._received += 1
+            self._bytes_received += len(view)
+            deliver(view)
+        return len(batch)
+
+    async def _serve_asyncio(self, deliver: Callable[[Any], None]) -> None:
+        """On asyncio, a reader callback delivers straight from the loop's poll: no task
+        wakes per batch, and no reader is added and removed per wait."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+        fd = self._rx.fileno()
+
+        def readable() -> None:
+            try:
+                for _ in range(8):  # then let other callbacks run; the fd stays readable
+                    if self._drain_into(deliver) < _BATCH:
+                        break
+            except BaseException as exc:
+                loop.remove_reader(fd)
+                if not ended.done():
+                    ended.set_exception(exc)
+
+        loop.add_reader(fd, readable)
+        try:
+            readable()
+            await ended
+        finally:
+            try:
+                loop.remove_reader(fd)
+            except (OSError, ValueError):  # the receiver's fd is already gone
+                pass
 
     def forget(self, addr: str) -> None:
         link = self._links.pop(addr, None)
