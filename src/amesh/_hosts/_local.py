@@ -22,7 +22,15 @@ from .._runtime._runtime import Runtime
 if TYPE_CHECKING:
     from .._proc_mesh import ProcMesh
 
-__all__ = ["Host", "LocalHost", "ProcHandle", "ProcessLike", "describe_exit", "this_host"]
+__all__ = [
+    "Host",
+    "LocalHost",
+    "ProcHandle",
+    "ProcessLike",
+    "ReadyWaiter",
+    "describe_exit",
+    "this_host",
+]
 
 #: How long a worker may take from exec to listening.
 STARTUP_TIMEOUT = 60.0
@@ -99,6 +107,29 @@ class ProcHandle:
             await proc.aclose()
 
 
+class ReadyWaiter:
+    """Waits for the Ready of the worker that is started with :attr:`token`."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.token = uuid.uuid4().hex
+        self.msg: _wire.Ready | None = None
+        self._rt = rt
+        self._ready = anyio.Event()
+        rt.ready_waiters[self.token] = self._on_ready
+
+    def _on_ready(self, msg: _wire.Ready) -> None:
+        self.msg = msg
+        self._ready.set()
+
+    async def wait(self) -> _wire.Ready:
+        await self._ready.wait()
+        assert self.msg is not None
+        return self.msg
+
+    def cancel(self) -> None:
+        self._rt.ready_waiters.pop(self.token, None)
+
+
 class Host(Protocol):
     """Where a ProcMesh's processes come from (this machine, later agents and SLURM)."""
 
@@ -141,15 +172,8 @@ class LocalHost:
         Raises:
             SupervisionError: it exited, or did not report in time.
         """
-        token = uuid.uuid4().hex
-        ready = anyio.Event()
-        box: list[_wire.Ready] = []
-
-        def on_ready(msg: _wire.Ready) -> None:
-            box.append(msg)
-            ready.set()
-
-        rt.ready_waiters[token] = on_ready
+        ready = ReadyWaiter(rt)
+        token = ready.token
         # asyncio (and uvloop) fork from the event loop's own thread; trio forks from a
         # cached worker thread that exits when idle, which would fire the signal.
         pdeathsig = (
@@ -179,7 +203,7 @@ class LocalHost:
                 env=child_env,
             )
         except BaseException:
-            rt.ready_waiters.pop(token, None)
+            ready.cancel()
             raise
         exited = anyio.Event()
         try:
@@ -194,21 +218,21 @@ class LocalHost:
                     tg.start_soon(watch)
                     await ready.wait()
                     tg.cancel_scope.cancel()
-            if not box:
+            if ready.msg is None:
                 if exited.is_set():
                     why = describe_exit(process.returncode or 0)
                 else:
                     why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
                 raise SupervisionError(f"worker process {process.pid} {why} while starting")
         except BaseException:
-            rt.ready_waiters.pop(token, None)
+            ready.cancel()
             with anyio.CancelScope(shield=True):
                 if process.returncode is None:
                     process.kill()
                 await process.wait()
                 await process.aclose()
             raise
-        return ProcHandle(box[0].addr, box[0].pid, process)
+        return ProcHandle(ready.msg.addr, ready.msg.pid, process)
 
 
 _THIS_HOST = LocalHost()

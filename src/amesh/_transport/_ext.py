@@ -35,7 +35,7 @@ from pynng import _nng as _pynng_cffi
 from .. import _ext
 from .._wire import Frame, frame_size
 from ._base import TransportClosed, TransportStats
-from ._nng import DEFAULT_MAX_FRAME, _fresh_address
+from ._nng import DEFAULT_MAX_FRAME, listen
 
 __all__ = ["ExtTransport"]
 
@@ -112,18 +112,11 @@ class ExtTransport:
         self._inbox = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=_RECV_BUFFER)
         try:
             self._rx = _ext.Receiver(self._inbox.socket.id, _QUEUE)
-            listener = self._inbox.listen(_fresh_address(scheme, host))
+            self._address, self._ipc_path = listen(self._inbox, scheme, host)
             self._rx.start()
         except BaseException:
             self._inbox.close()
             raise
-        addr = listener.url
-        if scheme == "tcp" and addr.endswith(":0"):
-            # pynng's InAddr.port is in network byte order; its str() is right.
-            port = str(listener.local_address).rsplit(":", 1)[1]
-            addr = addr.rsplit(":", 1)[0] + f":{port}"
-        self._address: str = addr
-        self._ipc_path = addr[len("ipc://") :] if scheme == "ipc" else None
 
     @property
     def address(self) -> str:
@@ -188,25 +181,11 @@ class ExtTransport:
         if sniffio.current_async_library() == "asyncio":
             await self._serve_asyncio(deliver)
             return
-        rx = self._rx
-        fd = rx.fileno()
+        fd = self._rx.fileno()
         while True:
-            try:
-                batch = rx.drain(_BATCH)
-            except _ext.NngError as exc:
-                if self._closed or exc.errno == _ext.NNG_ECLOSED:
-                    raise TransportClosed("transport is closed") from None
-                raise
-            for msg in batch:
-                if self._closed:
-                    raise TransportClosed("transport is closed")
-                # A view keeps its NNG message alive as long as anyone holds it (or a
-                # view of it): the receiver may keep the frame or parts of it.
-                view = memoryview(msg)
-                self._received += 1
-                self._bytes_received += len(view)
-                deliver(view)
-            if len(batch) < _BATCH:
+            # A view keeps its NNG message alive as long as anyone holds it (or a view
+            # of it): the receiver may keep the frame or parts of it.
+            if self._drain_into(deliver) < _BATCH:
                 await anyio.wait_readable(fd)
             else:
                 await anyio.lowlevel.checkpoint()

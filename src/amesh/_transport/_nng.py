@@ -48,6 +48,17 @@ def _notify_closing(fd: int) -> None:
         pass
 
 
+def listen(sock: pynng.Socket, scheme: str, host: str) -> tuple[str, str | None]:
+    """Listen on a fresh address; returns it and the socket file (ipc only)."""
+    listener = sock.listen(_fresh_address(scheme, host))
+    addr: str = listener.url
+    if scheme == "tcp" and addr.endswith(":0"):
+        # pynng's InAddr.port is in network byte order; its str() is right.
+        port = str(listener.local_address).rsplit(":", 1)[1]
+        addr = addr.rsplit(":", 1)[0] + f":{port}"
+    return addr, (addr[len("ipc://") :] if scheme == "ipc" else None)
+
+
 def _fresh_address(scheme: str, host: str) -> str:
     name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     if scheme == "abstract":
@@ -86,17 +97,10 @@ class NngTransport:
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
         self._inbox = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=_RECV_BUFFER)
         try:
-            listener = self._inbox.listen(_fresh_address(scheme, host))
+            self._address, self._ipc_path = listen(self._inbox, scheme, host)
         except BaseException:
             self._inbox.close()
             raise
-        addr = listener.url
-        if scheme == "tcp" and addr.endswith(":0"):
-            # pynng's InAddr.port is in network byte order; its str() is right.
-            port = str(listener.local_address).rsplit(":", 1)[1]
-            addr = addr.rsplit(":", 1)[0] + f":{port}"
-        self._address: str = addr
-        self._ipc_path = addr[len("ipc://") :] if scheme == "ipc" else None
 
     @property
     def address(self) -> str:

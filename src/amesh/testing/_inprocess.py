@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .. import _wire
-from .._hosts._local import ProcHandle
+from .._hosts._local import ProcHandle, ReadyWaiter
 from .._runtime._runtime import Runtime
 from .._transport import Transport, open_transport
 from ._memory import MemoryTransport
@@ -138,20 +137,12 @@ class InProcessHost:
         heartbeat_period: float = 0.5,
     ) -> ProcHandle:
         worker = InProcessWorker(self._transport(scheme, host))
-        token = uuid.uuid4().hex
-        ready = anyio.Event()
-        box: list[_wire.Ready] = []
-
-        def on_ready(msg: _wire.Ready) -> None:
-            box.append(msg)
-            ready.set()
-
-        rt.ready_waiters[token] = on_ready
-        rt.task_group.start_soon(worker.run, rt.address, token, heartbeat_period)
+        ready = ReadyWaiter(rt)
+        rt.task_group.start_soon(worker.run, rt.address, ready.token, heartbeat_period)
         with anyio.fail_after(30):
-            await ready.wait()
+            msg = await ready.wait()
         self.workers[worker.pid] = worker
-        return ProcHandle(box[0].addr, worker.pid, worker)
+        return ProcHandle(msg.addr, worker.pid, worker)
 
     def worker(self, pid: int) -> InProcessWorker:
         """The worker with fake ``pid`` (as in ``procs.pids``)."""
