@@ -52,7 +52,7 @@ async def test_in_process_kill_pause_resume() -> None:
                 host=host,
                 supervise=handle,
                 heartbeat_period=0.05,
-                heartbeat_timeout=0.5,
+                heartbeat_timeout=2.0,
             ) as procs:
                 m = await procs.spawn("m", Mortal)
                 pid0, pid1, pid2 = procs.pids
