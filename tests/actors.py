@@ -202,13 +202,27 @@ class Mortal(Actor):
         await anyio.sleep_forever()
 
 
-class Leaf(Actor):
-    """Owns a mesh of one Mortal process (the grandchild of the controller's actor)."""
+class Owner(Actor):
+    """Records the failures its ``__supervise__`` sees; handles them if ``handle``."""
 
     def __init__(self, handle: bool) -> None:
         self.handle = handle
         self.seen: list[str] = []
         self.supervised = anyio.Event()
+
+    def _record(self, failure: Any) -> bool:
+        self.seen.append(str(failure))
+        self.supervised.set()
+        return self.handle
+
+    @endpoint(concurrent=True)
+    async def wait_supervised(self) -> list[str]:
+        await self.supervised.wait()
+        return self.seen
+
+
+class Leaf(Owner):
+    """Owns a mesh of one Mortal process (the grandchild of the controller's actor)."""
 
     @endpoint
     async def start(self) -> list[int]:
@@ -223,28 +237,19 @@ class Leaf(Actor):
         return await self.mortals.bump.call_one()
 
     def __supervise__(self, failure: Any) -> bool:
-        self.seen.append(str(failure))
-        self.supervised.set()
-        return self.handle
-
-    @endpoint(concurrent=True)
-    async def wait_supervised(self) -> list[str]:
-        await self.supervised.wait()
-        return self.seen
+        return self._record(failure)
 
     @endpoint
     def ping(self) -> str:
         return "leaf"
 
 
-class Mid(Actor):
+class Mid(Owner):
     """Owns a mesh of one Leaf actor."""
 
     def __init__(self, handle: bool, leaf_handles: bool) -> None:
-        self.handle = handle
+        super().__init__(handle)
         self.leaf_handles = leaf_handles
-        self.seen: list[str] = []
-        self.supervised = anyio.Event()
 
     @endpoint
     async def start(self) -> tuple[list[int], list[int]]:
@@ -269,14 +274,7 @@ class Mid(Actor):
 
     async def __supervise__(self, failure: Any) -> bool:  # async hooks are awaited
         await anyio.lowlevel.checkpoint()
-        self.seen.append(str(failure))
-        self.supervised.set()
-        return self.handle
-
-    @endpoint(concurrent=True)
-    async def wait_supervised(self) -> list[str]:
-        await self.supervised.wait()
-        return self.seen
+        return self._record(failure)
 
     @endpoint
     def ping(self) -> str:

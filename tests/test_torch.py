@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import anyio
@@ -15,23 +13,10 @@ import amesh.torch
 from amesh import ActorError, ProcMesh
 from amesh.torch import init_process_group
 
+from .test_examples import run_example
 from .torch_actors import DistWorker
 
 pytestmark = pytest.mark.anyio
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def run_example(name: str, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 def number_after(label: str, text: str) -> float:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from .._shape import Point, Shape
+
 if TYPE_CHECKING:
-    from .._shape import Point
     from ._mailbox import ActorInstance
     from ._runtime import Runtime
 
@@ -21,19 +22,20 @@ class CallContext:
     Attributes:
         actor: the user's actor object.
         instance: its :class:`ActorInstance` (None while ``__init__`` runs).
-        point: the receiving rank in the mesh or slice that sent the message.
+        point: the receiving rank in the mesh or slice that sent the message; worked
+            out on first use, since most handlers never ask.
         sender: the address of the caller's runtime.
         call_id: the caller's call id.
         chain: serial handlers that wait on this one (see ``_wire.Call.chain``),
             including this one when it is serial; outgoing calls carry it on.
     """
 
-    __slots__ = ("actor", "call_id", "chain", "instance", "point", "sender")
+    __slots__ = ("_point", "_where", "actor", "call_id", "chain", "instance", "sender")
 
     def __init__(
         self,
         actor: Any,
-        point: Point,
+        where: Point | tuple[list[str], list[int], int],
         sender: str,
         call_id: int,
         instance: ActorInstance | None = None,
@@ -41,10 +43,22 @@ class CallContext:
     ) -> None:
         self.actor = actor
         self.instance = instance
-        self.point = point
+        self._where = where
+        self._point: Point | None = None
         self.sender = sender
         self.call_id = call_id
         self.chain = chain or []
+
+    @property
+    def point(self) -> Point:
+        if self._point is None:
+            where = self._where
+            if isinstance(where, Point):
+                self._point = where
+            else:
+                labels, sizes, rank = where
+                self._point = Shape(labels, sizes).point(rank)
+        return self._point
 
 
 call_context: ContextVar[CallContext | None] = ContextVar("amesh_call", default=None)

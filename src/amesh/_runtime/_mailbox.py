@@ -22,7 +22,6 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .. import _codec, _wire
-from .._shape import Shape
 from ._context import CallContext, call_context, runtime_var
 
 if TYPE_CHECKING:
@@ -53,9 +52,8 @@ class Owned(Protocol):
     async def stop(self) -> None: ...
 
 
-def type_name_of(exc: BaseException) -> str:
+def type_name_of(t: type[BaseException]) -> str:
     """``"ValueError"``, ``"pkg.mod.MyError"``; amesh's own errors as ``"amesh.X"``."""
-    t = type(exc)
     if t.__module__ == "builtins":
         return t.__qualname__
     if t.__module__ == "amesh._errors":
@@ -65,7 +63,7 @@ def type_name_of(exc: BaseException) -> str:
 
 def error_of(exc: BaseException) -> tuple[str, str, str]:
     """``(type name, message, traceback text)`` of ``exc``, for the wire."""
-    return type_name_of(exc), str(exc), "".join(traceback.format_exception(exc))
+    return type_name_of(type(exc)), str(exc), "".join(traceback.format_exception(exc))
 
 
 class ActorInstance:
@@ -205,11 +203,11 @@ class ActorInstance:
         rt = self.runtime
         key = (env.sender, env.call_id)
         is_call = isinstance(env, _wire.Call)
-        shape = Shape(env.labels, env.sizes)
         chain = list(env.chain) if isinstance(env, _wire.Call) else []
         if handler is not None and not handler.concurrent:
             chain.append(self.chain_entry(env.method))
-        ctx = CallContext(self.obj, shape.point(env.rank), env.sender, env.call_id, self, chain)
+        where = (env.labels, env.sizes, env.rank)
+        ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain)
         token = call_context.set(ctx)
         scope = anyio.CancelScope()
         rt.running[key] = scope
@@ -267,7 +265,7 @@ class ActorInstance:
         hook = getattr(self.obj, "__supervise__", None)
         if hook is None:
             return False
-        ctx = CallContext(self.obj, Shape([], []).point(0), self.owner, 0, self, [])
+        ctx = CallContext(self.obj, ([], [], 0), self.owner, 0, self, [])
         token = call_context.set(ctx)
         try:
             result = hook(failure)

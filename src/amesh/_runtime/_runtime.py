@@ -23,7 +23,7 @@ from .._codec import Payload
 from .._errors import DeadlockError, Failure, ProtocolError, SupervisionError
 from .._transport import Transport, TransportClosed
 from ._context import call_context, runtime_var
-from ._mailbox import ActorInstance, Owned
+from ._mailbox import ActorInstance, Owned, type_name_of
 
 __all__ = ["Pending", "Runtime", "RuntimeStats", "current_runtime"]
 
@@ -353,9 +353,7 @@ class Runtime:
     def _try_reply_error(
         self, sender: str, call_id: int, rank: int, exc_type: type[BaseException], msg: str
     ) -> None:
-        name = exc_type.__qualname__
-        if exc_type.__module__ != "builtins":
-            name = f"{exc_type.__module__.replace('._errors', '')}.{name}"
+        name = type_name_of(exc_type)
         try:
             self.send_frame_nowait(sender, _wire.Error(call_id, rank, name, msg, ""))
         except Exception:  # an unreachable or bogus sender address

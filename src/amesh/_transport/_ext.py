@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +33,7 @@ from pynng import _nng as _pynng_cffi
 from .. import _ext
 from .._wire import Frame, frame_size
 from ._base import TransportClosed, TransportStats
-from ._nng import DEFAULT_MAX_FRAME, listen
+from ._nng import DEFAULT_MAX_FRAME, Inbox, notify_closing
 
 __all__ = ["ExtTransport"]
 
@@ -61,14 +59,6 @@ _bind()
 atexit.register(_ext.finalize)
 
 
-def _notify_closing(fd: int) -> None:
-    """Wake a task waiting on ``fd`` (it gets ClosedResourceError) before NNG closes it."""
-    try:
-        anyio.notify_closing(fd)
-    except RuntimeError:  # no event loop in this thread: nobody here can be waiting
-        pass
-
-
 class _Link:
     """The Push0 socket towards one peer."""
 
@@ -87,7 +77,7 @@ class _Link:
 
     def close(self) -> None:
         if self._fd >= 0:
-            _notify_closing(self._fd)
+            notify_closing(self._fd)
         self.sock.close()
 
 
@@ -103,19 +93,17 @@ class ExtTransport:
     def __init__(
         self, scheme: str = "auto", *, host: str = "127.0.0.1", max_frame: int = DEFAULT_MAX_FRAME
     ) -> None:
-        if scheme == "auto":
-            scheme = "abstract" if sys.platform == "linux" else "ipc"
         self._max_frame = max_frame
         self._closed = False
         self._links: dict[str, _Link] = {}
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._inbox = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=_RECV_BUFFER)
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER)
+        self._address = self._box.address
         try:
-            self._rx = _ext.Receiver(self._inbox.socket.id, _QUEUE)
-            self._address, self._ipc_path = listen(self._inbox, scheme, host)
+            self._rx = _ext.Receiver(self._box.sock.socket.id, _QUEUE)
             self._rx.start()
         except BaseException:
-            self._inbox.close()
+            self._box.close()
             raise
 
     @property
@@ -257,9 +245,4 @@ class ExtTransport:
         # Stopping the receiver leaves its fd readable, so a serve() wakes up and ends;
         # the fd itself is closed when the last reference to the receiver goes.
         self._rx.close()
-        self._inbox.close()
-        if self._ipc_path is not None:
-            try:
-                os.unlink(self._ipc_path)
-            except FileNotFoundError:
-                pass
+        self._box.close()

@@ -40,7 +40,7 @@ def ipc_dir() -> str:
     )
 
 
-def _notify_closing(fd: int) -> None:
+def notify_closing(fd: int) -> None:
     """Wake tasks waiting on ``fd`` (ClosedResourceError) before NNG closes it."""
     try:
         anyio.notify_closing(fd)
@@ -48,15 +48,43 @@ def _notify_closing(fd: int) -> None:
         pass
 
 
-def listen(sock: pynng.Socket, scheme: str, host: str) -> tuple[str, str | None]:
-    """Listen on a fresh address; returns it and the socket file (ipc only)."""
-    listener = sock.listen(_fresh_address(scheme, host))
-    addr: str = listener.url
-    if scheme == "tcp" and addr.endswith(":0"):
-        # pynng's InAddr.port is in network byte order; its str() is right.
-        port = str(listener.local_address).rsplit(":", 1)[1]
-        addr = addr.rsplit(":", 1)[0] + f":{port}"
-    return addr, (addr[len("ipc://") :] if scheme == "ipc" else None)
+class Inbox:
+    """The Pull0 socket a transport receives on, listening on a fresh address.
+
+    Shared by the pure-pynng and the extension transports.
+
+    Args:
+        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto`` (abstract on Linux, else ipc).
+        host: the address to listen on for tcp.
+        max_frame: the largest frame NNG accepts.
+        recv_buffer: NNG's receive buffer, in messages.
+    """
+
+    def __init__(self, scheme: str, host: str, max_frame: int, recv_buffer: int) -> None:
+        if scheme == "auto":
+            scheme = "abstract" if sys.platform == "linux" else "ipc"
+        self.sock = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=recv_buffer)
+        try:
+            listener = self.sock.listen(_fresh_address(scheme, host))
+        except BaseException:
+            self.sock.close()
+            raise
+        addr: str = listener.url
+        if scheme == "tcp" and addr.endswith(":0"):
+            # pynng's InAddr.port is in network byte order; its str() is right.
+            port = str(listener.local_address).rsplit(":", 1)[1]
+            addr = addr.rsplit(":", 1)[0] + f":{port}"
+        self.address = addr
+        self._ipc_path = addr[len("ipc://") :] if scheme == "ipc" else None
+
+    def close(self) -> None:
+        """Close the socket and remove its socket file (ipc)."""
+        self.sock.close()
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
 
 
 def _fresh_address(scheme: str, host: str) -> str:
@@ -86,21 +114,14 @@ class NngTransport:
     def __init__(
         self, scheme: str = "auto", *, host: str = "127.0.0.1", max_frame: int = DEFAULT_MAX_FRAME
     ) -> None:
-        if scheme == "auto":
-            scheme = "abstract" if sys.platform == "linux" else "ipc"
-        self._scheme = scheme
         self._max_frame = max_frame
         self._closed = False
         self._peers: dict[str, pynng.Push0] = {}
         self._send_locks: dict[str, anyio.Lock] = {}
         self._send_fds: dict[str, int] = {}
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._inbox = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=_RECV_BUFFER)
-        try:
-            self._address, self._ipc_path = listen(self._inbox, scheme, host)
-        except BaseException:
-            self._inbox.close()
-            raise
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER)
+        self._address = self._box.address
 
     @property
     def address(self) -> str:
@@ -169,7 +190,7 @@ class NngTransport:
                     raise TransportClosed(f"link to {addr} was closed") from None
 
     async def serve(self, deliver: Callable[[Any], None]) -> None:
-        sock = self._inbox
+        sock = self._box.sock
         fd = sock.recv_fd
         while True:
             try:
@@ -196,7 +217,7 @@ class NngTransport:
         self._send_locks.pop(addr, None)
         fd = self._send_fds.pop(addr, None)
         if fd is not None:
-            _notify_closing(fd)
+            notify_closing(fd)
         if sock is not None:
             sock.close()
 
@@ -214,15 +235,10 @@ class NngTransport:
             return
         self._closed = True
         for fd in self._send_fds.values():
-            _notify_closing(fd)
+            notify_closing(fd)
         self._send_fds.clear()
         for sock in self._peers.values():
             sock.close()
         self._peers.clear()
-        _notify_closing(self._inbox.recv_fd)
-        self._inbox.close()
-        if self._ipc_path is not None:
-            try:
-                os.unlink(self._ipc_path)
-            except FileNotFoundError:
-                pass
+        notify_closing(self._box.sock.recv_fd)
+        self._box.close()
