@@ -89,9 +89,25 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 THIS = os.path.abspath(__file__)
-SYSTEMS = ("amesh", "pynng", "uvloop", "ray", "xoscar", "monarch")
+SYSTEMS = (
+    "amesh",
+    "amesh-ext",
+    "amesh-nng",
+    "amesh-stream",
+    "pynng",
+    "uvloop",
+    "ray",
+    "xoscar",
+    "monarch",
+)
+#: amesh with one transport implementation forced (``AMESH_TRANSPORT_IMPL``); the one
+#: that is amesh's default is the ``amesh`` column and is not run twice.
+AMESH_IMPLS = {"amesh-ext": "ext", "amesh-nng": "nng", "amesh-stream": "stream"}
 TITLES = {
     "amesh": "amesh",
+    "amesh-ext": "amesh (NNG + C ext)",
+    "amesh-nng": "amesh (pure pynng)",
+    "amesh-stream": "amesh (event-loop streams)",
     "pynng": "pynng Req/Rep",
     "uvloop": "uvloop floor",
     "ray": "Ray",
@@ -101,6 +117,9 @@ TITLES = {
 #: The module that must be importable for a system to run.
 MODULES = {
     "amesh": "amesh",
+    "amesh-ext": "amesh",
+    "amesh-nng": "amesh",
+    "amesh-stream": "amesh",
     "pynng": "pynng",
     "uvloop": "uvloop",
     "ray": "ray",
@@ -110,6 +129,9 @@ MODULES = {
 #: The distribution whose version is reported.
 DISTS = {
     "amesh": "amesh",
+    "amesh-ext": "amesh",
+    "amesh-nng": "amesh",
+    "amesh-stream": "amesh",
     "pynng": "pynng",
     "uvloop": "uvloop",
     "ray": "ray",
@@ -1064,6 +1086,9 @@ class MonarchDriver(Driver):
 
 DRIVERS: dict[str, Callable[[], Driver]] = {
     "amesh": AmeshDriver,
+    "amesh-ext": AmeshDriver,
+    "amesh-nng": AmeshDriver,
+    "amesh-stream": AmeshDriver,
     "pynng": PynngDriver,
     "uvloop": FloorDriver,
     "ray": RayDriver,
@@ -1358,6 +1383,8 @@ def _child_env(system: str, sysdir: str) -> dict[str, str]:
         RAY_USAGE_STATS_ENABLED="0",
         PYTHONUNBUFFERED="1",
     )
+    if system in AMESH_IMPLS:
+        env["AMESH_TRANSPORT_IMPL"] = AMESH_IMPLS[system]
     if system == "ray":  # ~/.ray/auth_token
         env["HOME"] = os.path.join(sysdir, "home")
         os.makedirs(env["HOME"])
@@ -1523,6 +1550,15 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _amesh_default_impl() -> str | None:
+    """amesh's default transport implementation here (None without amesh)."""
+    try:
+        from amesh._transport import default_impl
+    except ImportError:
+        return None
+    return default_impl()
+
+
 def parent_main(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
     systems = list(SYSTEMS)
@@ -1533,6 +1569,10 @@ def parent_main(args: argparse.Namespace) -> int:
             print(f"unknown system(s) {unknown}; known: {','.join(SYSTEMS)}", file=sys.stderr)
             return 2
         systems = [s for s in SYSTEMS if s in wanted]
+    default = _amesh_default_impl()
+    if "amesh" in systems:
+        # the default implementation's own column would repeat the amesh column
+        systems = [s for s in systems if AMESH_IMPLS.get(s) != default]
     timeout = args.system_timeout or plan.system_timeout
     json_path = os.path.abspath(args.json)
     logdir = os.path.dirname(json_path)

@@ -128,6 +128,7 @@ class Counter(Actor):
 
     @endpoint(concurrent=True)
     async def wait_released(self) -> int:
+        self.started.set()
         await self.released.wait()
         return current_rank().rank
 
@@ -328,3 +329,56 @@ class Model(Actor):
     @endpoint
     async def hang(self) -> None:
         await anyio.sleep_forever()
+
+
+_GATES: dict[str, anyio.Event] = {}
+
+
+def _gate() -> anyio.Event:
+    """One event per process (made on first use, on the worker's loop)."""
+    if "gate" not in _GATES:
+        _GATES["gate"] = anyio.Event()
+    return _GATES["gate"]
+
+
+class Gate(Actor):
+    """Opens what :meth:`Sink.hold` waits for: another actor, so another mailbox."""
+
+    @endpoint
+    def open(self) -> None:
+        _gate().set()
+
+
+class Sink(Actor):
+    """A slow consumer: each message takes a few milliseconds of work."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+        self.nbytes = 0
+
+    @endpoint
+    async def hold(self) -> None:
+        """Keep the (serial) mailbox busy until a :class:`Gate` in this process opens."""
+        await _gate().wait()
+
+    @endpoint
+    async def take(self, i: int, blob: bytes) -> None:
+        await anyio.sleep(0.005)  # work, not synchronisation
+        self.got.append(i)
+        self.nbytes += len(blob)
+
+    @endpoint
+    def note(self, i: int) -> None:
+        self.got.append(i)
+
+    @endpoint
+    def received(self) -> tuple[list[int], int]:
+        return self.got, self.nbytes
+
+    @endpoint
+    def peak_rss_mib(self) -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        raise AssertionError("no VmHWM in /proc/self/status")

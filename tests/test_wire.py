@@ -39,12 +39,25 @@ def test_wire_roundtrip_and_rejects() -> None:
         _wire.decode(b"garbage")
     with pytest.raises(_wire.BadFrame):
         _wire.decode(frame[:-2])
-    # out-of-band buffers follow the envelope and come back as views
-    big = _wire.Reply(4, 0, b"p", [3, 2])
-    parts = _wire.encode(big, [memoryview(b"abc"), memoryview(b"de")])
-    assert isinstance(parts, list) and len(parts) == 3
+    # out-of-band buffers follow the envelope and come back as views; small ones
+    # are joined into one bytes object, large ones stay separate parts (no copy)
+    small = _wire.Reply(4, 0, b"p", [3, 2])
+    joined = _wire.encode(small, [memoryview(b"abc"), memoryview(b"de")])
+    assert isinstance(joined, bytes)
+    got, bufs = _wire.decode(joined)
+    assert got == small and [bytes(b) for b in bufs] == [b"abc", b"de"]
+    blob = bytes(range(256)) * 1024
+    big = _wire.Reply(4, 0, b"p", [len(blob), 2])
+    parts = _wire.encode(big, [memoryview(blob), memoryview(b"de")])
+    assert isinstance(parts, list) and len(parts) == 3 and parts[1].obj is blob
     got, bufs = _wire.decode(_wire.join(parts))
-    assert got == big and [bytes(b) for b in bufs] == [b"abc", b"de"]
+    assert got == big and [bytes(b) for b in bufs] == [blob, b"de"]
+    # a large pickle travels as the first buffer, and comes back from there
+    pickle_bytes = b"q" * _wire.INLINE_LIMIT
+    inline, lengths, out = _wire.pack(pickle_bytes, [b"zz"])
+    assert inline == b"" and lengths == [len(pickle_bytes), 2] and out[0] is pickle_bytes
+    assert _wire.unpack(inline, out) == (pickle_bytes, [b"zz"])
+    assert _wire.pack(b"small", [b"zz"]) == (b"small", [2], [b"zz"])
     with pytest.raises(_wire.BadFrame, match="truncated"):
         _wire.decode(_wire.join(parts)[:-1])
     with pytest.raises(_wire.BadFrame, match="stray"):

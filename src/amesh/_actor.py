@@ -48,8 +48,37 @@ class EndpointDescriptor(Generic[P, R]):
     def signature(self) -> inspect.Signature:
         return inspect.signature(self.fn)
 
+    @functools.cached_property
+    def _simple(self) -> tuple[tuple[str, ...], int] | None:
+        """``(parameter names, number required)`` when every parameter after ``self``
+        is plain positional-or-keyword; None for anything fancier."""
+        params = list(self.signature.parameters.values())[1:]
+        if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+            return None
+        required = 0
+        for p in params:
+            if p.default is not inspect.Parameter.empty:
+                break
+            required += 1
+        if any(p.default is inspect.Parameter.empty for p in params[required:]):
+            return None
+        return tuple(p.name for p in params), required
+
     def bind_check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise TypeError if ``(args, kwargs)`` do not fit the endpoint."""
+        simple = self._simple
+        if simple is not None:
+            # the common case, without Signature.bind's cost (~20 µs)
+            names, required = simple
+            n = len(args)
+            if n <= len(names) and (
+                (not kwargs and n >= required)
+                or (
+                    all(k in names[n:] for k in kwargs)
+                    and all(name in kwargs for name in names[n:required])
+                )
+            ):
+                return
         try:
             self.signature.bind(None, *args, **kwargs)
         except TypeError as exc:

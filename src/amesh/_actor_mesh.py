@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._endpoint import MeshEndpoint
+from ._runtime._runtime import Tree
 from ._shape import Shape
 from ._value_mesh import MeshView
 
@@ -37,17 +38,20 @@ class ActorMesh(MeshView, Generic[A]):
         actor_class: type[A],
         shape: Shape,
         procs: Sequence[str],
+        fanout: int = 0,
     ) -> None:
         self.name = name
         self.key = key
         self.actor_class = actor_class
         self._shape = shape
         self._procs = procs
+        #: the relay tree's fan-out (below 2: every rank is sent to directly)
+        self._fanout = fanout
         #: the ProcMesh that spawned it, in the owner's process only
         self._owner: ProcMesh | None = None
 
     def _with_shape(self, shape: Shape) -> ActorMesh[A]:
-        view = ActorMesh(self.name, self.key, self.actor_class, shape, self._procs)
+        view = ActorMesh(self.name, self.key, self.actor_class, shape, self._procs, self._fanout)
         view._owner = self._owner
         return view
 
@@ -64,6 +68,19 @@ class ActorMesh(MeshView, Generic[A]):
     def _targets(self) -> dict[int, str]:
         procs = self._procs
         return {rank: procs[slot] for rank, slot in enumerate(self._shape.slots)}
+
+    def _wire_shape(self) -> tuple[list[str], list[int]]:
+        """``(labels, sizes)`` of this view, as calls carry them (made once)."""
+        ws = self.__dict__.get("_ws")
+        if ws is None:
+            ws = self.__dict__["_ws"] = (list(self._shape.labels), list(self._shape.sizes))
+        return ws
+
+    def _tree(self) -> Tree | None:
+        """The relay tree, when this mesh is big enough to use one."""
+        if self._fanout < 2 or len(self._procs) <= self._fanout:
+            return None
+        return Tree(self._procs, dict(enumerate(self._shape.slots)), self._fanout)
 
     def __getattr__(self, name: str) -> MeshEndpoint[Any]:
         if name.startswith("_"):
@@ -83,5 +100,12 @@ class ActorMesh(MeshView, Generic[A]):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             ActorMesh,
-            (self.name, self.key, self.actor_class, self._shape, tuple(self._procs)),
+            (
+                self.name,
+                self.key,
+                self.actor_class,
+                self._shape,
+                tuple(self._procs),
+                self._fanout,
+            ),
         )

@@ -11,6 +11,7 @@ import anyio
 
 from . import _codec, _wire
 from ._errors import ActorError, DeadlockError, Failure, SupervisionError
+from ._runtime._context import is_local
 from ._runtime._runtime import Pending, Runtime, current_runtime
 from ._shape import Point, Shape
 from ._value_mesh import ValueMesh
@@ -51,9 +52,13 @@ class MeshEndpoint(Generic[R]):
     def __repr__(self) -> str:
         return f"<endpoint {self._mesh.name}.{self._desc.name} over {self._mesh.sizes}>"
 
-    def _encode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _codec.Payload:
+    def _encode(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], targets: dict[int, str] | None = None
+    ) -> _codec.Payload:
         self._desc.bind_check(args, kwargs)
-        return _codec.dumps((args, kwargs))
+        # one receiver on this host: large buffers may go through shared memory
+        shm = targets is not None and len(targets) == 1 and is_local(next(iter(targets.values())))
+        return _codec.dumps((args, kwargs), shm=shm)
 
     def _raise(self, shape: Shape, rank: int, value: Any) -> None:
         if isinstance(value, _wire.Error):
@@ -85,8 +90,9 @@ class MeshEndpoint(Generic[R]):
         pending = rt.open_call(self._mesh.key, targets)
         done = False
         try:
+            labels, sizes = self._mesh._wire_shape()
             await rt.send_requests(
-                pending, self._desc.name, list(shape.labels), list(shape.sizes), payload
+                pending, self._desc.name, labels, sizes, payload, self._mesh._tree()
             )
             for _ in range(len(targets)):
                 rank, ok, value = await _next(pending, deadline)
@@ -109,13 +115,14 @@ class MeshEndpoint(Generic[R]):
             SupervisionError: a rank's process or actor failed.
             TimeoutError: ``timeout`` seconds passed.
         """
-        payload = self._encode(args, kwargs)
+        mesh = self._mesh
+        targets = mesh._targets()
+        payload = self._encode(args, kwargs, targets)
         deadline = _deadline(timeout)
         rt = current_runtime()
-        mesh = self._mesh
         shape = Shape(mesh.shape.labels, mesh.shape.sizes)
         results: list[Any] = [None] * len(shape)
-        gen = self._gather(rt, mesh._targets(), shape, payload, deadline)
+        gen = self._gather(rt, targets, shape, payload, deadline)
         try:
             async for rank, value in gen:
                 results[rank] = value
@@ -130,17 +137,34 @@ class MeshEndpoint(Generic[R]):
             ValueError: the mesh does not have exactly one rank.
             ActorError, SupervisionError, TimeoutError, TypeError: as :meth:`call`.
         """
-        if len(self._mesh) != 1:
+        mesh = self._mesh
+        if len(mesh) != 1:
             raise ValueError(
-                f"call_one needs a mesh of exactly one rank, {self._mesh.name} has "
-                f"{len(self._mesh)} ({self._mesh.sizes}); slice it or use call()"
+                f"call_one needs a mesh of exactly one rank, {mesh.name} has "
+                f"{len(mesh)} ({mesh.sizes}); slice it or use call()"
             )
-        result = await self.call(*args, timeout=timeout, **kwargs)
-        return result.item()
+        # the hot path: no generator, no ValueMesh
+        targets = mesh._targets()
+        payload = self._encode(args, kwargs, targets)
+        deadline = _deadline(timeout)
+        rt = current_runtime()
+        labels, sizes = mesh._wire_shape()
+        pending = rt.open_call(mesh.key, targets)
+        done = False
+        try:
+            await rt.send_requests(pending, self._desc.name, labels, sizes, payload, mesh._tree())
+            rank, ok, value = await _next(pending, deadline)
+            if not ok:
+                self._raise(Shape(labels, sizes), rank, value)
+            result: R = _codec.loads(*value)
+            done = True
+            return result
+        finally:
+            rt.close_call(pending, cancel=not done)
 
     async def choose(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         """Call one rank: the one with the fewest calls in flight from this caller."""
-        payload = self._encode(args, kwargs)
+        self._desc.bind_check(args, kwargs)
         deadline = _deadline(timeout)
         rt = current_runtime()
         mesh = self._mesh
@@ -151,8 +175,10 @@ class MeshEndpoint(Generic[R]):
         load = {r: rt.inflight.get((a, mesh.key), 0) for r, a in live.items()}
         least = min(load.values())
         rank = random.choice([r for r, n in load.items() if n == least])
+        chosen = {rank: targets[rank]}
+        payload = self._encode(args, kwargs, chosen)
         shape = Shape(mesh.shape.labels, mesh.shape.sizes)
-        gen = self._gather(rt, {rank: targets[rank]}, shape, payload, deadline)
+        gen = self._gather(rt, chosen, shape, payload, deadline)
         try:
             async for _, value in gen:
                 return value  # type: ignore[no-any-return]
@@ -196,4 +222,5 @@ class MeshEndpoint(Generic[R]):
             list(shape.labels),
             list(shape.sizes),
             payload,
+            mesh._tree(),
         )

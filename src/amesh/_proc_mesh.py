@@ -80,6 +80,15 @@ def default_transport() -> tuple[str, str]:
     return scheme, host
 
 
+def default_fanout() -> int:
+    """``AMESH_FANOUT`` (default 16; 0: no relay tree)."""
+    raw = os.environ.get("AMESH_FANOUT", "16")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"AMESH_FANOUT must be an integer, not {raw!r}") from None
+
+
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
     return float(value) if value else default
@@ -133,6 +142,10 @@ class ProcMesh(MeshView):
             (``AMESH_HEARTBEAT_PERIOD``, default 0.5).
         heartbeat_timeout: a worker silent this long is declared failed and killed
             (``AMESH_HEARTBEAT_TIMEOUT``, default 5).
+        fanout: calls and broadcasts to a mesh of more than ``fanout`` processes go
+            down a relay tree of the workers with this fan-out, and replies come back
+            up it in batches (``AMESH_FANOUT``, default 16; 0 sends to every rank
+            directly).
     """
 
     def __init__(
@@ -144,7 +157,11 @@ class ProcMesh(MeshView):
         supervise: Supervisor | None = None,
         heartbeat_period: float | None = None,
         heartbeat_timeout: float | None = None,
+        fanout: int | None = None,
     ) -> None:
+        self._fanout = default_fanout() if fanout is None else fanout
+        if self._fanout < 0 or self._fanout == 1:
+            raise ValueError(f"fanout must be 0 (no tree) or at least 2, got {self._fanout}")
         self._shape = Shape.from_sizes(per_host if per_host is not None else {"procs": 1})
         self._host: Host = host or this_host()
         self._env = dict(env or {})
@@ -303,6 +320,9 @@ class ProcMesh(MeshView):
 
     async def _watch(self, st: _State, handle: ProcHandle, slot: int) -> None:
         await handle.process.wait()
+        # shared-memory segments it sent that nobody took (a killed process never
+        # cleans up after itself)
+        _codec.remove_segments_of(handle.pid)
         if st.closing or handle.expected_exit or handle.failed:
             return
         handle.failed = True
@@ -527,10 +547,12 @@ class ProcMesh(MeshView):
         for slot, p in enumerate(st.procs):
             rt.heartbeats.pop(p.addr, None)
             rt.peer_failed(p.addr, self._failure(slot, p, "was stopped by its owner"))
+            _codec.remove_segments_of(p.pid)
         st.closed.set()
 
     def _agents_of(self, procs: list[ProcHandle]) -> ActorMesh[ProcAgent]:
         shape = Shape(["procs"], [len(procs)])
+        # the control plane stays direct: no relay may be mid-exit while relaying
         return ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, shape, [p.addr for p in procs])
 
     def _agents(self, st: _State) -> ActorMesh[ProcAgent]:
@@ -577,7 +599,7 @@ class ProcMesh(MeshView):
             raise TypeError(f"{actor_class.__qualname__}(): {exc}") from None
         payload = _codec.dumps((actor_class, args, kwargs))
         key = f"{name}-{uuid.uuid4().hex[:12]}"
-        mesh = ActorMesh(name, key, actor_class, self._shape, st.addrs)
+        mesh = ActorMesh(name, key, actor_class, self._shape, st.addrs, self._fanout)
         mesh._owner = self
         spawned = _Spawned(mesh, payload, policy)
         st.spawned[key] = spawned

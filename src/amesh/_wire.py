@@ -3,15 +3,21 @@
 Every frame is ``MAGIC (2 bytes) | version (1 byte) | envelope length (u32 LE) |
 msgpack envelope | out-of-band buffers``. Envelopes are tagged, array-like msgspec
 Structs; those that carry a payload list the lengths of its buffers, which follow the
-envelope back to back, so large buffers are never copied into the envelope. The
-first fields of every request envelope are stable across protocol versions
-(``[tag, sender, call_id, rank, ...]``) so that a runtime can answer a frame of an
-unknown version with a clear error.
+envelope back to back, so large buffers are never copied into the envelope. A small
+pickle travels inside the envelope (``payload``); a large one (at least
+:data:`INLINE_LIMIT` bytes) travels as the first buffer, and ``payload`` is then empty
+(a pickle never is). The first fields of every request envelope are stable across
+protocol versions (``[tag, sender, call_id, rank, ...]``) so that a runtime can answer a
+frame of an unknown version with a clear error.
+
+Casts and calls to many ranks may travel down a relay tree (:class:`Relay`), and the
+replies come back up it in batches (:class:`Gathered`): see ``_runtime._tree``.
 """
 
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgspec
 
@@ -21,21 +27,31 @@ __all__ = [
     "Call",
     "Cancel",
     "Cast",
+    "Credit",
     "Envelope",
     "Error",
     "FailureReport",
+    "Gathered",
     "Heartbeat",
+    "Prune",
     "Ready",
+    "Relay",
     "Reply",
     "Frame",
     "decode",
     "encode",
     "frame_size",
     "join",
+    "pack",
+    "unpack",
 ]
 
 MAGIC = b"AM"
-VERSION = 1
+VERSION = 2
+#: A pickle at least this long travels as a frame part of its own, not in the envelope.
+INLINE_LIMIT = 16 * 1024
+#: Frames up to this size are sent as one bytes object (one small copy beats parts).
+_JOIN_LIMIT = 64 * 1024
 _LEN = struct.Struct("<I")
 _HEADER = MAGIC + bytes([VERSION]) + bytes(4)
 _HEADER_LEN = len(_HEADER)
@@ -59,6 +75,10 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     payload: bytes
     chain: list[str] = []
     buffers: list[int] = []
+    #: where the reply goes, when not to ``sender`` (a relay gathering replies)
+    reply_to: str = ""
+    #: the call id the reply carries there
+    reply_id: int = 0
 
 
 class Cast(msgspec.Struct, tag="cast", array_like=True):
@@ -76,12 +96,37 @@ class Cast(msgspec.Struct, tag="cast", array_like=True):
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True):
-    """A result for ``call_id`` from ``rank``; ``last`` is False for stream items."""
+    """A result for ``call_id`` from ``rank``."""
 
     call_id: int
     rank: int
     payload: bytes
     buffers: list[int] = []
+
+
+class Relay(msgspec.Struct, tag="relay", array_like=True):
+    """A call or cast for a subtree of ranks, sent to the root of that subtree.
+
+    The receiver runs it itself when ``rank >= 0`` and forwards it to each subtree in
+    ``nodes``: the subtree below the receiver in preorder, each node as ``(address,
+    rank or -1 for a node that only relays, number of nodes below it)``. For a call
+    (``reply_to`` set) the receiver gathers the replies of its whole subtree and sends
+    them to ``reply_to`` as :class:`Gathered` with ``reply_id``.
+    """
+
+    sender: str
+    call_id: int
+    rank: int
+    actor: str
+    method: str
+    labels: list[str]
+    sizes: list[int]
+    payload: bytes
+    chain: list[str]
+    buffers: list[int]
+    reply_to: str
+    reply_id: int
+    nodes: list[tuple[str, int, int]]
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):
@@ -92,6 +137,35 @@ class Error(msgspec.Struct, tag="error", array_like=True):
     type_name: str
     message: str
     traceback: str
+
+
+class Gathered(msgspec.Struct, tag="gathered", array_like=True):
+    """Replies of a subtree, for ``call_id`` of the receiver (a call or a relay's gather).
+
+    ``buffers`` is the concatenation of the replies' buffers, in order.
+    """
+
+    call_id: int
+    replies: list[Reply | Error]
+    buffers: list[int] = []
+
+
+class Prune(msgspec.Struct, tag="prune", array_like=True):
+    """``sender``'s call ``call_id``: stop waiting for ``ranks`` (their relay died)."""
+
+    sender: str
+    call_id: int
+    ranks: list[int]
+
+
+class Credit(msgspec.Struct, tag="credit", array_like=True):
+    """``count`` messages (``nbytes`` of payload) to ``actor`` at ``addr`` were taken
+    from its mailbox: the sender may send that much more (flow control)."""
+
+    addr: str
+    actor: str
+    count: int
+    nbytes: int
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -125,7 +199,20 @@ class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
     pid: int
 
 
-Envelope = Call | Cast | Reply | Error | Cancel | Ready | FailureReport | Heartbeat
+Envelope = (
+    Call
+    | Cast
+    | Reply
+    | Error
+    | Cancel
+    | Ready
+    | FailureReport
+    | Heartbeat
+    | Relay
+    | Gathered
+    | Prune
+    | Credit
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
@@ -157,14 +244,37 @@ class BadVersion(Exception):
 Frame = bytes | list[bytes | memoryview]
 
 
-def encode(env: Envelope, buffers: list[memoryview] | None = None) -> Frame:
-    """Encode ``env`` (and the out-of-band ``buffers`` its ``buffers`` field lists)."""
+def encode(env: Envelope, buffers: list[Any] | None = None) -> Frame:
+    """Encode ``env`` (and the out-of-band ``buffers`` its ``buffers`` field lists).
+
+    A small frame comes back as one bytes object, a large one as a list of parts
+    (the buffers are not copied).
+    """
     buf = bytearray(_HEADER)
     _encoder.encode_into(env, buf, _HEADER_LEN)
     _LEN.pack_into(buf, 3, len(buf) - _HEADER_LEN)
     if not buffers:
         return bytes(buf)
+    if sum(memoryview(b).nbytes for b in buffers) <= _JOIN_LIMIT:
+        for b in buffers:
+            buf += b
+        return bytes(buf)
     return [bytes(buf), *buffers]
+
+
+def pack(data: bytes, buffers: list[Any]) -> tuple[bytes, list[int], list[Any]]:
+    """``(envelope payload, buffer lengths, parts)`` for a pickle and its buffers."""
+    if len(data) < INLINE_LIMIT:
+        return data, [memoryview(b).nbytes for b in buffers], buffers
+    parts = [data, *buffers]
+    return b"", [memoryview(b).nbytes for b in parts], parts
+
+
+def unpack(payload: bytes, buffers: list[Any]) -> tuple[Any, list[Any]]:
+    """``(pickle, out-of-band buffers)`` of a received payload (see :func:`pack`)."""
+    if payload or not buffers:
+        return payload, buffers
+    return buffers[0], buffers[1:]
 
 
 def join(frame: Frame | memoryview) -> bytes:
@@ -214,6 +324,10 @@ def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
     except msgspec.DecodeError as exc:
         raise BadFrame(str(exc)) from None
     lengths: list[int] = getattr(env, "buffers", None) or []
+    if not lengths:
+        if end != len(view):
+            raise BadFrame(f"{len(view) - end} stray bytes after the envelope")
+        return env, []
     buffers = []
     pos = end
     for n in lengths:

@@ -63,6 +63,8 @@ class MeshMachine(RuleBasedStateMachine):
     """The rules; subclasses say how processes start, die, stop and continue."""
 
     backend: tuple[str, dict[str, Any]] = ("asyncio", {})
+    #: the relay tree's fan-out (0: every rank is sent to directly)
+    fanout = 0
     meshes = Bundle("meshes")
     #: examples started and rules run, to show the run was not vacuous
     examples = 0
@@ -134,6 +136,7 @@ class MeshMachine(RuleBasedStateMachine):
                 supervise=self.supervise,
                 heartbeat_period=0.2,
                 heartbeat_timeout=120.0,
+                fanout=self.fanout,
             )
 
         self.procs = self.run(start)
@@ -290,10 +293,14 @@ class MeshMachine(RuleBasedStateMachine):
 
 class RealProcesses(MeshMachine):
     backend = ("asyncio", {"use_uvloop": True})
+    examples = 0
+    steps: dict[str, int] = {}  # noqa: RUF012
 
 
 class InProcessWorkers(MeshMachine):
     backend = ("trio", {})
+    examples = 0
+    steps: dict[str, int] = {}  # noqa: RUF012
 
     def __init__(self) -> None:
         self._host = InProcessHost()
@@ -318,10 +325,41 @@ class InProcessWorkers(MeshMachine):
         fn()
 
 
-def _report(machine: type[MeshMachine], wanted: int) -> None:
+class RelayTree(InProcessWorkers):
+    """The same rules through a relay tree (fan-out 2 over 3 ranks: rank 2's messages
+    go through rank 0). A stopped relay would hold its subtree's messages until it is
+    declared dead, which the model does not follow, so this machine kills but does not
+    stop; a broadcast is followed by a call to the same ranks, so that it has arrived
+    (per-sender order, through the tree) before a relay may be killed."""
+
+    backend = ("asyncio", {})
+    fanout = 2
+    examples = 0
+    steps: dict[str, int] = {}  # noqa: RUF012
+
+    stop = None  # type: ignore[assignment]
+    cont = None  # type: ignore[assignment]
+
+    @rule(
+        mesh=MeshMachine.meshes, s=slices, adverb=st.sampled_from(["call", "stream", "broadcast"])
+    )
+    def bump(self, mesh: ActorMesh[Model], s: slice, adverb: str) -> None:
+        super().bump(mesh, s, adverb)
+        ranks = list(range(N)[s])
+        if adverb == "broadcast" and not set(ranks) & self.killed:
+            counts = self.model[mesh.key]
+            got = self.run(mesh.slice(x=s).peek.call).values()
+            assert got == [(r, counts[r]) for r in ranks]
+
+
+def _report(
+    machine: type[MeshMachine],
+    wanted: int,
+    rules: tuple[str, ...] = ("bump", "kill", "stop", "cont", "cancel_call", "raise_in_endpoint"),
+) -> None:
     print(f"{machine.__name__}: {machine.examples} examples, steps {machine.steps}")
     assert machine.examples >= wanted
-    for name in ("bump", "kill", "stop", "cont", "cancel_call", "raise_in_endpoint"):
+    for name in rules:
         assert machine.steps.get(name, 0) > 0, f"rule {name} never ran"
 
 
@@ -344,3 +382,10 @@ def test_fault_injection_in_process() -> None:
     InProcessWorkers.TestCase.settings = settings(max_examples=INPROC_EXAMPLES, **_common)
     InProcessWorkers.TestCase().runTest()
     _report(InProcessWorkers, INPROC_EXAMPLES)
+
+
+@pytest.mark.timeout(900 if LONG else 300)
+def test_fault_injection_relay_tree() -> None:
+    RelayTree.TestCase.settings = settings(max_examples=INPROC_EXAMPLES // 2, **_common)
+    RelayTree.TestCase().runTest()
+    _report(RelayTree, INPROC_EXAMPLES // 2, ("bump", "kill", "cancel_call", "call_one"))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
+
+import sniffio
 
 from .._shape import Point, Shape
 
@@ -11,7 +14,7 @@ if TYPE_CHECKING:
     from ._mailbox import ActorInstance
     from ._runtime import Runtime
 
-__all__ = ["CallContext", "call_context", "runtime_var"]
+__all__ = ["CallContext", "call_context", "is_local", "native_event_class", "runtime_var"]
 
 runtime_var: ContextVar[Runtime | None] = ContextVar("amesh_runtime", default=None)
 
@@ -62,3 +65,28 @@ class CallContext:
 
 
 call_context: ContextVar[CallContext | None] = ContextVar("amesh_call", default=None)
+
+
+_LOCAL_PREFIXES = ("abstract://", "ipc://", "stream+abstract://", "stream+ipc://")
+_LOOPBACK = ("127.", "[::1]", "localhost")
+
+
+def is_local(addr: str) -> bool:
+    """True if ``addr`` is surely on this host (unix sockets, loopback tcp)."""
+    if addr.startswith(_LOCAL_PREFIXES):
+        return True
+    rest = addr.split("://", 1)[-1]
+    return rest.startswith(_LOOPBACK)
+
+
+def native_event_class() -> Any:
+    """The running event loop's own Event class (``asyncio.Event`` or ``trio.Event``).
+
+    On the hot path an anyio Event costs a backend lookup each time it is made; the
+    loop's own is cheaper and waits the same way (cancellable by anyio's scopes).
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.Event
+    return asyncio.Event

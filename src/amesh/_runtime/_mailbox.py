@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .. import _codec, _wire
-from ._context import CallContext, call_context, runtime_var
+from ._context import CallContext, call_context, is_local, native_event_class, runtime_var
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
+
 
 __all__ = ["ActorInstance", "Handler", "Owned", "error_of", "type_name_of"]
 
@@ -96,9 +96,12 @@ class ActorInstance:
         self.handlers = handlers
         self.owner = owner
         self.rank = rank
-        send, recv = anyio.create_memory_object_stream[_Request](math.inf)
-        self._send: MemoryObjectSendStream[_Request] = send
-        self._recv: MemoryObjectReceiveStream[_Request] = recv
+        self._queue: deque[_Request] = deque()
+        self._closed = False
+        self._wakeup: Any = None
+        self._new_event = native_event_class()
+        #: without concurrent endpoints, handlers run in the loop's own task
+        self._inline = not any(h.concurrent for h in handlers.values())
         self.handled = 0
         #: why the actor failed, once it has
         self.failed: str | None = None
@@ -106,7 +109,7 @@ class ActorInstance:
         self.owned: list[Owned] = []
         self.tg: TaskGroup | None = None
         self._running: set[anyio.CancelScope] = set()
-        self._serial_done: anyio.Event | None = None
+        self._serial_done: Any = None
         self._drained = anyio.Event()
         self._stopping = anyio.Event()
         #: set when the dispatch loop has ended
@@ -115,13 +118,41 @@ class ActorInstance:
     def label(self, method: str = "") -> str:
         return f"{self.name}[{self.rank}]" + (f".{method}" if method else "")
 
-    def put(self, env: _wire.Call | _wire.Cast, buffers: list[memoryview]) -> None:
-        """Queue a message and its out-of-band buffers (never blocks)."""
-        self._send.send_nowait((env, buffers))
+    def put(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
+        """Queue a message and its out-of-band buffers (never blocks).
+
+        Raises:
+            anyio.ClosedResourceError: the actor is stopping.
+        """
+        if self._closed:
+            raise anyio.ClosedResourceError(f"actor {self.label()} is stopping")
+        self._queue.append((env, buffers))
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            wakeup.set()
 
     def close(self) -> None:
         """Stop taking messages; the loop ends once the queue is drained."""
-        self._send.close()
+        self._closed = True
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            wakeup.set()
+
+    @property
+    def queued(self) -> int:
+        """Messages waiting in the mailbox."""
+        return len(self._queue)
+
+    async def _next(self) -> _Request | None:
+        queue = self._queue
+        while not queue:
+            if self._closed:
+                return None
+            wakeup = self._wakeup = self._new_event()
+            await wakeup.wait()
+        return queue.popleft()
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -144,9 +175,15 @@ class ActorInstance:
 
     async def _loop(self, tg: TaskGroup) -> None:
         rt = self.runtime
-        async for env, buffers in self._recv:
+        while True:
+            item = await self._next()
+            if item is None:
+                return
+            env, buffers = item
             key = (env.sender, env.call_id)
             rt.queued.discard(key)
+            if isinstance(env, _wire.Cast):
+                rt.taken(env.sender, self.key, sum(env.buffers) + len(env.payload))
             if key in rt.cancelled:
                 rt.cancelled.discard(key)
                 continue
@@ -154,6 +191,10 @@ class ActorInstance:
                 await self.refuse(env)
                 continue
             handler = self.handlers.get(env.method)
+            if self._inline:
+                # every endpoint is serial: no task per message
+                await self._handle(env, buffers, handler)
+                continue
             if handler is not None and handler.concurrent:
                 tg.start_soon(self._handle, env, buffers, handler)
                 continue
@@ -163,7 +204,7 @@ class ActorInstance:
             # lets a serial handler be re-entered through a concurrent endpoint.
             if self._serial_done is not None:
                 await self._serial_done.wait()
-            done = self._serial_done = anyio.Event()
+            done = self._serial_done = self._new_event()
             tg.start_soon(self._handle_serial, env, buffers, handler, done)
 
     async def _handle_serial(
@@ -171,7 +212,7 @@ class ActorInstance:
         env: _wire.Call | _wire.Cast,
         buffers: list[memoryview],
         handler: Handler | None,
-        done: anyio.Event,
+        done: Any,
     ) -> None:
         try:
             await self._handle(env, buffers, handler)
@@ -194,7 +235,10 @@ class ActorInstance:
         if isinstance(env, _wire.Call):
             msg = f"actor {self.label()} failed earlier: {self.failed}"
             await self.runtime.send_frame(
-                env.sender, _wire.Error(env.call_id, env.rank, "amesh.SupervisionError", msg, "")
+                env.reply_to or env.sender,
+                _wire.Error(
+                    env.reply_id or env.call_id, env.rank, "amesh.SupervisionError", msg, ""
+                ),
             )
 
     async def _handle(
@@ -218,7 +262,7 @@ class ActorInstance:
             with scope:
                 if handler is None:
                     raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
-                args, kwargs = _codec.loads(env.payload, buffers)
+                args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
                 result = handler.fn(self.obj, *args, **kwargs)
                 if inspect.isawaitable(result):
                     result = await result
@@ -232,22 +276,24 @@ class ActorInstance:
         if scope.cancelled_caught:
             # The caller gave up (or the actor failed); it waits for nothing more.
             return
+        if is_call:
+            assert isinstance(env, _wire.Call)
+            dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
         if failure is None and is_call:
             try:
-                payload = _codec.dumps(result)
+                # one receiver: large buffers may go through shared memory
+                payload = _codec.dumps(result, shm=is_local(dest))
             except TypeError as exc:
                 failure = exc
             else:
-                reply = _wire.Reply(
-                    env.call_id, env.rank, payload.data, [b.nbytes for b in payload.buffers]
-                )
-                await rt.send_frame(env.sender, reply, payload.buffers)
+                data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+                await rt.send_frame(dest, _wire.Reply(reply_id, env.rank, data, lengths), parts)
                 return
         if failure is None:
             return
         name, message, tb = error_of(failure)
         if is_call:
-            await rt.send_frame(env.sender, _wire.Error(env.call_id, env.rank, name, message, tb))
+            await rt.send_frame(dest, _wire.Error(reply_id, env.rank, name, message, tb))
         else:
             log.error("endpoint %s raised under broadcast:\n%s", self.label(env.method), tb)
             self.fail(

@@ -11,26 +11,59 @@ import itertools
 import logging
 import os
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from .. import _wire
+from .. import _codec, _wire
 from .._codec import Payload
 from .._errors import DeadlockError, Failure, ProtocolError, SupervisionError
 from .._transport import Transport, TransportClosed
-from ._context import call_context, runtime_var
+from ._context import call_context, is_local, native_event_class, runtime_var
 from ._mailbox import ActorInstance, Owned, type_name_of
+from ._tree import Gather, Nodes, plan, ranks_of, split
 
-__all__ = ["Pending", "Runtime", "RuntimeStats", "current_runtime"]
+__all__ = ["Pending", "Runtime", "RuntimeStats", "Tree", "current_runtime", "is_local"]
 
 log = logging.getLogger("amesh.runtime")
 
 #: How many recent requests are remembered to drop duplicates.
 _RECENT = 65536
+#: A receiver returns credit after this many messages (or bytes) left a mailbox.
+CREDIT_BATCH = 32
+CREDIT_BATCH_BYTES = 8 * 1024 * 1024
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, not {raw!r}") from None
+    return max(value, minimum)
+
+
+def send_window() -> tuple[int, int]:
+    """``(messages, bytes)`` one sender may have waiting in one actor's mailbox.
+
+    From ``AMESH_SEND_WINDOW`` (default 1024, at least 2 x the credit batch of 32) and
+    ``AMESH_SEND_WINDOW_BYTES`` (default 256 MiB, at least 16 MiB).
+    """
+    return (
+        _env_int("AMESH_SEND_WINDOW", 1024, 2 * CREDIT_BATCH),
+        _env_int("AMESH_SEND_WINDOW_BYTES", 256 << 20, 2 * CREDIT_BATCH_BYTES),
+    )
+
+
+class Tree(NamedTuple):
+    """The relay tree of an actor mesh: its processes by slot, and the fan-out."""
+
+    procs: Sequence[str]
+    slots: Mapping[int, int]
+    fanout: int
 
 
 class RuntimeStats(msgspec.Struct, frozen=True):
@@ -45,6 +78,10 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     actors: int
     frames_sent: int
     frames_received: int
+    relayed: int
+    gathers: int
+    credit_waits: int
+    heartbeats_received: int
 
 
 class Pending:
@@ -54,15 +91,21 @@ class Pending:
     ``ok``, else the exception to raise.
     """
 
-    __slots__ = ("_event", "actor", "call_id", "items", "targets")
+    __slots__ = ("_event", "_new_event", "actor", "call_id", "items", "relays", "targets", "via")
 
-    def __init__(self, call_id: int, actor: str, targets: dict[int, str]) -> None:
+    def __init__(
+        self, call_id: int, actor: str, targets: dict[int, str], new_event: Any = None
+    ) -> None:
         self.call_id = call_id
         self.actor = actor
         #: rank -> address for every rank that has not answered yet
         self.targets = targets
         self.items: deque[tuple[int, bool, Any]] = deque()
-        self._event: anyio.Event | None = None
+        self._event: Any = None
+        self._new_event = new_event or native_event_class()
+        #: the relays the call went through, and the relays on each rank's path
+        self.relays: set[str] = set()
+        self.via: dict[int, tuple[str, ...]] = {}
 
     def push(self, rank: int, ok: bool, value: Any) -> None:
         if self.targets.pop(rank, None) is None:
@@ -73,7 +116,7 @@ class Pending:
 
     async def next(self) -> tuple[int, bool, Any]:
         while not self.items:
-            self._event = anyio.Event()
+            self._event = self._new_event()
             await self._event.wait()
         self._event = None
         return self.items.popleft()
@@ -103,6 +146,8 @@ class Runtime:
         self.pid = os.getpid()
         self.closed = False
         self._tg = tg
+        #: the event loop's own Event class (cheaper than anyio's on the hot path)
+        self.new_event = native_event_class()
         self._ids = itertools.count(1)
         self.pending: dict[int, Pending] = {}
         self.actors: dict[str, ActorInstance] = {}
@@ -129,6 +174,20 @@ class Runtime:
         self._recent: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._bad_version = 0
         self._calls_sent = 0
+        #: relays' gathers of replies by id, and their ids by (sender, call id)
+        self.gathers: dict[int, Gather] = {}
+        self._gather_ids: dict[tuple[str, int], int] = {}
+        self._relayed = 0
+        self._heartbeats = 0
+        #: frames waiting, in order, for a link that was full (see post)
+        self._outq: dict[str, deque[_wire.Frame]] = {}
+        #: flow control, sending side: (address, actor) -> [messages, bytes] in flight
+        self.window, self.window_bytes = send_window()
+        self._out: dict[tuple[str, str], list[int]] = {}
+        self._credit_waiters: dict[tuple[str, str], anyio.Event] = {}
+        self._credit_waits = 0
+        #: receiving side: (sender, actor) -> [messages, bytes] taken, not yet credited
+        self._taken: dict[tuple[str, str], list[int]] = {}
 
     # -- ids, stats -----------------------------------------------------------------
 
@@ -147,6 +206,10 @@ class Runtime:
             actors=len(self.actors),
             frames_sent=t.frames_sent,
             frames_received=t.frames_received,
+            relayed=self._relayed,
+            gathers=len(self.gathers),
+            credit_waits=self._credit_waits,
+            heartbeats_received=self._heartbeats,
         )
 
     @property
@@ -161,33 +224,116 @@ class Runtime:
     # -- sending --------------------------------------------------------------------
 
     async def send_frame(
-        self, addr: str, env: _wire.Envelope, buffers: list[memoryview] | None = None
+        self, addr: str, env: _wire.Envelope, buffers: list[Any] | None = None
     ) -> None:
         """Encode and send; a vanished peer is not an error for the sender."""
+        if addr == self.address:
+            self._route(env, buffers or [])
+            return
         if addr in self.dead:
+            return
+        if addr in self._outq:
+            self.post(addr, _wire.encode(env, buffers))
             return
         try:
             await self.transport.send(addr, _wire.encode(env, buffers))
         except TransportClosed:
             pass
 
-    def send_frame_nowait(self, addr: str, env: _wire.Envelope) -> None:
-        """Send without waiting; falls back to a background task when the link is full."""
+    def send_frame_nowait(
+        self, addr: str, env: _wire.Envelope, buffers: list[Any] | None = None
+    ) -> None:
+        """Send without waiting (see :meth:`post`)."""
+        if addr == self.address:
+            self._route(env, buffers or [])
+            return
         if addr in self.dead or self.closed:
             return
-        frame = _wire.encode(env)
+        self.post(addr, _wire.encode(env, buffers))
+
+    def post(self, addr: str, frame: _wire.Frame) -> None:
+        """Send without waiting, in order: behind frames already waiting for ``addr``,
+        else at once if the link takes it, else queued for a background task."""
+        queue = self._outq.get(addr)
+        if queue is not None:
+            queue.append(frame)
+            return
         try:
             if self.transport.try_send(addr, frame):
                 return
         except TransportClosed:
             return
-        self._tg.start_soon(self._send_later, addr, frame)
+        except ValueError:
+            log.exception("dropped a frame to %s", addr)
+            return
+        self._outq[addr] = deque([frame])
+        self._tg.start_soon(self._drain, addr)
 
-    async def _send_later(self, addr: str, frame: _wire.Frame) -> None:
+    async def _drain(self, addr: str) -> None:
+        queue = self._outq[addr]
         try:
-            await self.transport.send(addr, frame)
+            while queue and addr not in self.dead:
+                await self.transport.send(addr, queue[0])
+                queue.popleft()
         except TransportClosed:
             pass
+        except ValueError:
+            log.exception("dropped frames to %s", addr)
+        finally:
+            self._outq.pop(addr, None)
+
+    # -- flow control -------------------------------------------------------------------
+
+    async def _acquire(self, addr: str, actor: str, nbytes: int) -> None:
+        """Wait until ``actor`` at ``addr`` may take one more message from us."""
+        key = (addr, actor)
+        out = self._out.get(key)
+        if out is None:
+            out = self._out[key] = [0, 0]
+        while out[0] and (out[0] >= self.window or out[1] + nbytes > self.window_bytes):
+            if addr in self.dead or self.closed:
+                return
+            self._credit_waits += 1
+            event = self._credit_waiters.get(key)
+            if event is None:
+                event = self._credit_waiters[key] = anyio.Event()
+            await event.wait()
+            out = self._out.setdefault(key, [0, 0])
+        out[0] += 1
+        out[1] += nbytes
+
+    def _on_credit(self, env: _wire.Credit) -> None:
+        key = (env.addr, env.actor)
+        out = self._out.get(key)
+        if out is not None:
+            out[0] = max(0, out[0] - env.count)
+            out[1] = max(0, out[1] - env.nbytes)
+        event = self._credit_waiters.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def taken(self, sender: str, actor: str, nbytes: int) -> None:
+        """A cast from ``sender`` left ``actor``'s mailbox: return credit in batches.
+
+        Only casts (broadcasts) are counted: a call is bounded by its caller, who
+        waits for the reply, and must not queue behind casts (a call to a concurrent
+        endpoint may be what lets a busy actor finish).
+        """
+        key = (sender, actor)
+        taken = self._taken.get(key)
+        if taken is None:
+            taken = self._taken[key] = [0, 0]
+        taken[0] += 1
+        taken[1] += nbytes
+        if taken[0] >= CREDIT_BATCH or taken[1] >= CREDIT_BATCH_BYTES:
+            del self._taken[key]
+            self.send_frame_nowait(sender, _wire.Credit(self.address, actor, *taken))
+
+    def _forget_window(self, addr: str) -> None:
+        for key in [k for k in self._out if k[0] == addr]:
+            del self._out[key]
+        for key in [k for k in self._credit_waiters if k[0] == addr]:
+            self._credit_waiters.pop(key).set()
 
     def fail_root(self, failure: Failure) -> None:
         """An unhandled failure reached the top of this process: cancel its body."""
@@ -206,7 +352,7 @@ class Runtime:
     def open_call(self, actor: str, targets: dict[int, str]) -> Pending:
         """Register a call before its requests go out, so no reply can be missed."""
         call_id = self.next_id()
-        pending = Pending(call_id, actor, dict(targets))
+        pending = Pending(call_id, actor, dict(targets), self.new_event)
         self.pending[call_id] = pending
         for addr in targets.values():
             k = (addr, actor)
@@ -219,7 +365,7 @@ class Runtime:
         for addr in pending.targets.values():
             self._dec_inflight(addr, pending.actor)
         if cancel:
-            for addr in set(pending.targets.values()):
+            for addr in set(pending.targets.values()) | pending.relays:
                 if addr not in self.dead:
                     self.send_frame_nowait(addr, _wire.Cancel(self.address, pending.call_id))
         pending.targets.clear()
@@ -239,11 +385,11 @@ class Runtime:
         labels: list[str],
         sizes: list[int],
         payload: Payload,
+        tree: Tree | None = None,
     ) -> None:
-        """Send one :class:`~amesh._wire.Call` per target rank of ``pending``."""
+        """Send the call of ``pending`` to each of its target ranks (down ``tree``)."""
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
-        lengths = [b.nbytes for b in payload.buffers]
         dead = [(r, a) for r, a in pending.targets.items() if a in self.dead]
         if dead:
             # All or nothing: a call that includes a dead rank fails at once and
@@ -256,20 +402,29 @@ class Runtime:
                     del pending.targets[rank]
                     self._dec_inflight(addr, pending.actor)
             return
-        for rank, addr in list(pending.targets.items()):
-            env = _wire.Call(
-                self.address,
-                pending.call_id,
-                rank,
-                pending.actor,
-                method,
-                labels,
-                sizes,
-                payload.data,
-                chain,
-                lengths,
-            )
-            await self.send_frame(addr, env, payload.buffers)
+        data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+        call_id = pending.call_id
+        heads: list[tuple[str, int, Nodes]]
+        if tree is None:
+            heads = [(addr, rank, []) for rank, addr in pending.targets.items()]
+        else:
+            slots = {r: tree.slots[r] for r in pending.targets}
+            route = plan(slots, tree.procs, tree.fanout, self.dead)
+            heads = route.heads
+            pending.relays, pending.via = route.relays, route.via
+        for addr, rank, nodes in heads:
+            env: _wire.Envelope
+            if nodes:
+                env = _wire.Relay(
+                    self.address, call_id, rank, pending.actor, method, labels, sizes, data,
+                    chain, lengths, self.address, call_id, nodes,
+                )  # fmt: skip
+            else:
+                env = _wire.Call(
+                    self.address, call_id, rank, pending.actor, method, labels, sizes, data,
+                    chain, lengths,
+                )  # fmt: skip
+            await self.send_frame(addr, env, parts)
             self._calls_sent += 1
 
     def _fail_rank(self, pending: Pending, rank: int, addr: str, why: Failure) -> None:
@@ -285,19 +440,36 @@ class Runtime:
         labels: list[str],
         sizes: list[int],
         payload: Payload,
+        tree: Tree | None = None,
     ) -> None:
-        """Send one :class:`~amesh._wire.Cast` per target: no reply is expected."""
+        """Send a :class:`~amesh._wire.Cast` to each target (down ``tree``): no replies."""
         call_id = self.next_id()
-        lengths = [b.nbytes for b in payload.buffers]
         for addr in targets.values():
             why = self.dead.get(addr)
             if why is not None:
                 raise SupervisionError(str(why), [why])
-        for rank, addr in targets.items():
-            env = _wire.Cast(
-                self.address, call_id, rank, actor, method, labels, sizes, payload.data, lengths
-            )
-            await self.send_frame(addr, env, payload.buffers)
+        data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+        nbytes = payload.nbytes
+        for addr in targets.values():
+            await self._acquire(addr, actor, nbytes)
+        heads: list[tuple[str, int, Nodes]]
+        if tree is None:
+            heads = [(addr, rank, []) for rank, addr in targets.items()]
+        else:
+            slots = {r: tree.slots[r] for r in targets}
+            heads = plan(slots, tree.procs, tree.fanout, self.dead).heads
+        for addr, rank, nodes in heads:
+            env: _wire.Envelope
+            if nodes:
+                env = _wire.Relay(
+                    self.address, call_id, rank, actor, method, labels, sizes, data, [],
+                    lengths, "", 0, nodes,
+                )  # fmt: skip
+            else:
+                env = _wire.Cast(
+                    self.address, call_id, rank, actor, method, labels, sizes, data, lengths
+                )
+            await self.send_frame(addr, env, parts)
 
     # -- failure of peers -------------------------------------------------------------
 
@@ -310,7 +482,27 @@ class Runtime:
             for rank, a in list(pending.targets.items()):
                 if a == addr:
                     self._fail_rank(pending, rank, addr, why)
+            if addr in pending.relays:
+                self._relay_failed(pending, addr, why)
+        self._forget_window(addr)
+        self._outq.pop(addr, None)
         self.transport.forget(addr)
+
+    def _relay_failed(self, pending: Pending, addr: str, why: Failure) -> None:
+        """A relay of ``pending`` died: the replies behind it are lost; fail them fast
+        (as a failure of the relay's rank only) and tell the relays above to stop
+        waiting for them."""
+        lost = [r for r, path in pending.via.items() if addr in path and r in pending.targets]
+        for rank in lost:
+            target = pending.targets[rank]
+            self._dec_inflight(target, pending.actor)
+            msg = f"the result of rank {rank} was lost: the process relaying it {why.cause}"
+            pending.push(rank, False, SupervisionError(msg, [why]))
+        if lost:
+            prune = _wire.Prune(self.address, pending.call_id, lost)
+            for relay in pending.relays:
+                if relay not in self.dead:
+                    self.send_frame_nowait(relay, prune)
 
     # -- local actors -------------------------------------------------------------------
 
@@ -359,52 +551,47 @@ class Runtime:
         except Exception:  # an unreachable or bogus sender address
             log.warning("could not answer %s", sender, exc_info=True)
 
-    def _route(self, env: _wire.Envelope, buffers: list[memoryview]) -> None:
+    def _route(self, env: _wire.Envelope, buffers: list[Any]) -> None:
         if isinstance(env, (_wire.Reply, _wire.Error)):
-            pending = self.pending.get(env.call_id)
-            if pending is None:
-                return  # a late reply to a call that was cancelled or timed out
-            addr = pending.targets.get(env.rank)
-            if addr is None:
-                return
-            self._dec_inflight(addr, pending.actor)
-            if isinstance(env, _wire.Reply):
-                pending.push(env.rank, True, (env.payload, buffers))
-            else:
-                pending.push(env.rank, False, env)
+            self._on_reply(env, buffers)
         elif isinstance(env, (_wire.Call, _wire.Cast)):
-            inst = self.actors.get(env.actor)
-            if inst is None:
-                if isinstance(env, _wire.Call):
-                    self._try_reply_error(
-                        env.sender,
-                        env.call_id,
-                        env.rank,
-                        LookupError,
-                        f"no actor {env.actor!r} is running in process {self.pid}",
-                    )
+            if self._is_duplicate(env.sender, env.call_id):
                 return
-            key = (env.sender, env.call_id)
-            if key in self._recent:
-                self._duplicates += 1  # at most once: a duplicated frame runs nothing
+            self._accept(env, buffers)
+        elif isinstance(env, _wire.Relay):
+            if self._is_duplicate(env.sender, env.call_id):
                 return
-            self._recent[key] = None
-            if len(self._recent) > _RECENT:
-                self._recent.popitem(last=False)
-            if inst.failed is not None:
-                self._tg.start_soon(inst.refuse, env)
-                return
-            if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
-                return
-            self.queued.add((env.sender, env.call_id))
-            inst.put(env, buffers)
+            self._relay(env, buffers)
+        elif isinstance(env, _wire.Gathered):
+            pos = 0
+            for item in env.replies:
+                n = len(item.buffers) if isinstance(item, _wire.Reply) else 0
+                self._on_reply(item, buffers[pos : pos + n], env.call_id)
+                pos += n
+        elif isinstance(env, _wire.Credit):
+            self._on_credit(env)
         elif isinstance(env, _wire.Cancel):
             key = (env.sender, env.call_id)
+            gid = self._gather_ids.pop(key, None)
+            if gid is not None:
+                self.gathers.pop(gid, None)
             scope = self.running.get(key)
             if scope is not None:
                 scope.cancel()
             elif key in self.queued:
                 self.cancelled.add(key)
+            elif gid is None and key not in self._recent:
+                # The cancel overtook the request (it came down the relay tree): the
+                # request, when it comes, is dropped like a duplicate.
+                self._is_duplicate(*key)
+        elif isinstance(env, _wire.Prune):
+            gid = self._gather_ids.get((env.sender, env.call_id))
+            gather = self.gathers.get(gid) if gid is not None else None
+            if gid is not None and gather is not None:
+                if gather.prune(env.ranks):
+                    self._send_up(gid, gather)
+                if not gather.waiting:
+                    self._end_gather(gid, gather)
         elif isinstance(env, _wire.Ready):
             waiter = self.ready_waiters.pop(env.token, None)
             if waiter is not None:
@@ -412,8 +599,122 @@ class Runtime:
         elif isinstance(env, _wire.FailureReport):
             self._on_failure(env)
         elif isinstance(env, _wire.Heartbeat):
+            self._heartbeats += 1
             if env.addr in self.heartbeats:
                 self.heartbeats[env.addr] = anyio.current_time()
+
+    def _is_duplicate(self, sender: str, call_id: int) -> bool:
+        key = (sender, call_id)
+        if key in self._recent:
+            self._duplicates += 1  # at most once: a duplicated frame runs nothing
+            return True
+        self._recent[key] = None
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
+        return False
+
+    def _on_reply(
+        self, env: _wire.Reply | _wire.Error, buffers: list[Any], call_id: int | None = None
+    ) -> None:
+        """A reply for our call (or gather) ``call_id``; the envelope's own if None
+        (a reply in a :class:`~amesh._wire.Gathered` keeps the id of the relay's gather)."""
+        if call_id is None:
+            call_id = env.call_id
+        pending = self.pending.get(call_id)
+        if pending is None:
+            gather = self.gathers.get(call_id)
+            if gather is not None and gather.add(env, buffers):
+                self._send_up(call_id, gather)
+            return  # else a late reply to a call that was cancelled or timed out
+        addr = pending.targets.get(env.rank)
+        if addr is None:
+            return
+        self._dec_inflight(addr, pending.actor)
+        if isinstance(env, _wire.Reply):
+            pending.push(env.rank, True, _wire.unpack(env.payload, buffers))
+        else:
+            pending.push(env.rank, False, env)
+
+    def _accept(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
+        """Queue a request for a local actor, or answer why it cannot run."""
+        inst = self.actors.get(env.actor)
+        if inst is None:
+            if isinstance(env, _wire.Cast):
+                self.taken(env.sender, env.actor, sum(env.buffers) + len(env.payload))
+            if isinstance(env, _wire.Call):
+                self._try_reply_error(
+                    env.reply_to or env.sender,
+                    env.reply_id or env.call_id,
+                    env.rank,
+                    LookupError,
+                    f"no actor {env.actor!r} is running in process {self.pid}",
+                )
+            return
+        if inst.failed is not None:
+            if isinstance(env, _wire.Cast):
+                self.taken(env.sender, env.actor, sum(env.buffers) + len(env.payload))
+            self._tg.start_soon(inst.refuse, env)
+            return
+        if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
+            return
+        self.queued.add((env.sender, env.call_id))
+        inst.put(env, buffers)
+
+    def _relay(self, env: _wire.Relay, buffers: list[Any]) -> None:
+        """Run a relayed message here (if we are a target) and pass it down the tree."""
+        self._relayed += 1
+        gid = 0
+        call = bool(env.reply_to)
+        if call:
+            gid = self.next_id()
+            key = (env.sender, env.call_id)
+            self.gathers[gid] = Gather(
+                key, env.reply_to, env.reply_id, ranks_of(env.rank, env.nodes)
+            )
+            self._gather_ids[key] = gid
+        up = self.address if call else ""
+        for addr, rank, nodes in split(env.nodes):
+            child: _wire.Envelope
+            if nodes:
+                child = _wire.Relay(
+                    env.sender, env.call_id, rank, env.actor, env.method, env.labels,
+                    env.sizes, env.payload, env.chain, env.buffers, up, gid, nodes,
+                )  # fmt: skip
+            elif call:
+                child = _wire.Call(
+                    env.sender, env.call_id, rank, env.actor, env.method, env.labels,
+                    env.sizes, env.payload, env.chain, env.buffers, up, gid,
+                )  # fmt: skip
+            else:
+                child = _wire.Cast(
+                    env.sender, env.call_id, rank, env.actor, env.method, env.labels,
+                    env.sizes, env.payload, env.buffers,
+                )  # fmt: skip
+            self.send_frame_nowait(addr, child, buffers)
+        if env.rank >= 0:
+            local: _wire.Call | _wire.Cast
+            if call:
+                local = _wire.Call(
+                    env.sender, env.call_id, env.rank, env.actor, env.method, env.labels,
+                    env.sizes, env.payload, env.chain, env.buffers, up, gid,
+                )  # fmt: skip
+            else:
+                local = _wire.Cast(
+                    env.sender, env.call_id, env.rank, env.actor, env.method, env.labels,
+                    env.sizes, env.payload, env.buffers,
+                )  # fmt: skip
+            self._accept(local, buffers)
+
+    def _send_up(self, gid: int, gather: Gather) -> None:
+        env, parts = gather.take()
+        self.send_frame_nowait(gather.reply_to, env, parts)
+        if not gather.waiting:
+            self._end_gather(gid, gather)
+
+    def _end_gather(self, gid: int, gather: Gather) -> None:
+        self.gathers.pop(gid, None)
+        if self._gather_ids.get(gather.key) == gid:
+            del self._gather_ids[gather.key]
 
     def _deadlocks(self, inst: ActorInstance, env: _wire.Call) -> bool:
         """Refuse a call to a serial endpoint whose actor is waiting on the caller."""
@@ -430,7 +731,9 @@ class Runtime:
             "endpoints @endpoint(concurrent=True)"
         )
         log.warning("refused a call: %s", msg)
-        self._try_reply_error(env.sender, env.call_id, env.rank, DeadlockError, msg)
+        self._try_reply_error(
+            env.reply_to or env.sender, env.reply_id or env.call_id, env.rank, DeadlockError, msg
+        )
         return True
 
     def _on_failure(self, failure: _wire.FailureReport) -> None:
@@ -444,6 +747,10 @@ class Runtime:
             )
             return
         handler(failure)
+
+
+#: runtimes open in this process (in-process test workers are runtimes too)
+_open_runtimes = 0
 
 
 def pass_cancellation(
@@ -474,7 +781,9 @@ class open_runtime:
         self._token: Any = None
 
     async def __aenter__(self) -> Runtime:
+        global _open_runtimes
         transport = self._factory()
+        _open_runtimes += 1
         tg = anyio.create_task_group()
         await tg.__aenter__()
         rt = Runtime(transport, tg)
@@ -505,6 +814,11 @@ class open_runtime:
             suppressed = bool(await self._tg.__aexit__(*passed)) and passed[1] is not None
         finally:
             rt.transport.close()
+            global _open_runtimes
+            _open_runtimes -= 1
+            if not _open_runtimes:
+                # shared-memory segments this process sent that nobody took
+                _codec.release_segments()
         if rt.root_failures and (exc[1] is None or suppressed or is_supervision(exc[1])):
             failures = list(rt.root_failures)
             raise SupervisionError(

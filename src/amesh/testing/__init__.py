@@ -6,7 +6,8 @@
   with deterministic kill / pause (SIGSTOP) / resume (SIGCONT).
 - :func:`open_runtime`: run the controller on a transport of your choice.
 - :func:`no_leaks` and the pytest plugin ``amesh.testing.pytest_plugin`` (fixture
-  ``amesh_no_leaks``): fail a test that leaks a process or a socket file.
+  ``amesh_no_leaks``): fail a test that leaks a process, a socket file or a
+  shared-memory segment (:func:`shm_files`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ._inprocess import InProcessWorker as InProcessWorker
 from ._leaks import LeakError as LeakError
 from ._leaks import child_pids as child_pids
 from ._leaks import no_leaks as no_leaks
+from ._leaks import shm_files as shm_files
 from ._leaks import socket_files as socket_files
 from ._memory import MemoryTransport as MemoryTransport
 
@@ -36,6 +38,7 @@ __all__ = [
     "child_pids",
     "no_leaks",
     "open_runtime",
+    "shm_files",
     "socket_files",
 ]
 

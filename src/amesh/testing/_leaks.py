@@ -1,4 +1,4 @@
-"""Leak checks: child processes and socket files that outlive a test."""
+"""Leak checks: child processes, socket files and shared-memory segments that outlive a test."""
 
 from __future__ import annotations
 
@@ -6,9 +6,18 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .._codec import shm_dir
 from .._transport._nng import ipc_dir
 
-__all__ = ["LeakError", "child_pids", "ipc_dir", "no_leaks", "socket_files"]
+__all__ = [
+    "LeakError",
+    "child_pids",
+    "ipc_dir",
+    "no_leaks",
+    "shm_dir",
+    "shm_files",
+    "socket_files",
+]
 
 
 class LeakError(AssertionError):
@@ -40,11 +49,25 @@ def socket_files() -> set[str]:
         return set()
 
 
+def shm_files() -> set[str]:
+    """amesh's shared-memory segments that exist now (names of files in ``shm_dir()``)."""
+    try:
+        with os.scandir(shm_dir()) as entries:
+            return {
+                e.name
+                for e in entries
+                if e.name.startswith("amesh-") and e.is_file(follow_symlinks=False)
+            }
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
 @contextmanager
 def no_leaks() -> Iterator[None]:
-    """Raise :class:`LeakError` if the block leaves a child process or socket file."""
+    """Raise :class:`LeakError` if the block leaves a child process, socket file or segment."""
     kids = child_pids()
     files = socket_files()
+    segments = shm_files()
     yield
     leaked = child_pids() - kids
     if leaked:
@@ -52,3 +75,6 @@ def no_leaks() -> Iterator[None]:
     new_files = socket_files() - files
     if new_files:
         raise LeakError(f"leaked socket files {sorted(new_files)}")
+    new_segments = shm_files() - segments
+    if new_segments:
+        raise LeakError(f"leaked shared-memory segments {sorted(new_segments)} in {shm_dir()}")

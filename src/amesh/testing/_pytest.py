@@ -17,25 +17,39 @@ from ._leaks import no_leaks
 
 __all__ = ["amesh_no_leaks", "pytest_configure", "pytest_unconfigure"]
 
-_OWN_DIR: list[str] = []
+_OWN_DIRS: list[tuple[str, str]] = []  # (environment variable, directory we made)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Give this test session its own ipc:// directory, so leak checks see only ours."""
+    """Give this test session its own ipc:// and shared-memory directories.
+
+    Leak checks then see only this session's socket files and segments. The segment
+    directory is on /dev/shm where there is one (segments are memory there).
+    """
     if not os.environ.get("AMESH_IPC_DIR"):
-        path = tempfile.mkdtemp(prefix="amesh-test-")
-        os.environ["AMESH_IPC_DIR"] = path
-        _OWN_DIR.append(path)
+        _own("AMESH_IPC_DIR", tempfile.mkdtemp(prefix="amesh-test-"))
+    if not os.environ.get("AMESH_SHM_DIR"):
+        try:
+            path = tempfile.mkdtemp(prefix="amesh-test-shm-", dir="/dev/shm")
+        except OSError:
+            path = tempfile.mkdtemp(prefix="amesh-test-shm-")
+        _own("AMESH_SHM_DIR", path)
+
+
+def _own(var: str, path: str) -> None:
+    os.environ[var] = path
+    _OWN_DIRS.append((var, path))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    while _OWN_DIR:
-        shutil.rmtree(_OWN_DIR.pop(), ignore_errors=True)
-        os.environ.pop("AMESH_IPC_DIR", None)
+    while _OWN_DIRS:
+        var, path = _OWN_DIRS.pop()
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(var, None)
 
 
 @pytest.fixture
 def amesh_no_leaks() -> Iterator[None]:
-    """Fail the test if it leaves a child process or an amesh socket file behind."""
+    """Fail the test if it leaves a child process, socket file or segment behind."""
     with no_leaks():
         yield

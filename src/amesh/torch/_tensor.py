@@ -2,7 +2,9 @@
 
 A tensor is sent as its raw bytes (a pickle-5 out-of-band buffer) plus dtype and
 shape. The receiver's tensor is a view of the received frame when the frame is
-writable, else one copy. Non-contiguous tensors arrive contiguous, with the same
+writable, else one copy; a tensor that came through shared memory
+(``_codec.dumps(..., shm=True)``) is a view of the segment's mapping, which lives as
+long as the tensor and its views. Non-contiguous tensors arrive contiguous, with the same
 values. CUDA tensors are copied to the CPU by the sender and arrive on the CPU; move
 them with ``.to(device)`` where you want them (amesh never guesses a device).
 """
@@ -51,7 +53,7 @@ def _raw_buffer(c: torch.Tensor) -> pickle.PickleBuffer:
 def rebuild_tensor(
     buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool
 ) -> torch.Tensor:
-    """The receiving side of :func:`reduce_tensor`."""
+    """The receiving side of :func:`reduce_tensor`: a view of ``buf`` where it is writable."""
     view = memoryview(buf)
     if view.readonly:
         view = memoryview(bytearray(view))

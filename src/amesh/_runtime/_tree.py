@@ -1,0 +1,158 @@
+"""Relay trees: how a call or cast to many ranks reaches them, and how replies return.
+
+The tree is fixed per actor mesh: over its process slots ``0..M-1`` with fan-out
+``f``, the sender's children are slots ``0..f-1`` and slot ``s`` has children
+``f*(s+1) .. f*(s+1)+f-1``. A message to any set of ranks follows the paths of that
+one tree, so messages from one sender to one rank always take the same path and
+per-sender order holds (links are FIFO and relays forward in arrival order). Nodes
+on a path that are not targets only relay; a dead relay is skipped (its children hang
+off its nearest live ancestor). A mesh of at most ``f`` processes is reached directly.
+
+A relay gathers the replies of its subtree and sends them up in one
+:class:`~amesh._wire.Gathered` when the subtree is complete, and at once when one is
+an error (fail fast), so the sender gets O(fan-out) frames per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from .. import _wire
+
+__all__ = ["Gather", "Nodes", "Plan", "plan", "ranks_of", "split"]
+
+#: ``(address, rank or -1, number of nodes below)``, in preorder
+Nodes = list[tuple[str, int, int]]
+
+
+class Plan:
+    """Where a sender sends one message: its direct children and their subtrees.
+
+    Attributes:
+        heads: ``(address, rank or -1, subtree nodes)`` per child of the sender.
+        via: rank -> addresses of the relays on its path (only ranks behind a relay).
+        relays: every address that relays (has a subtree).
+    """
+
+    __slots__ = ("heads", "relays", "via")
+
+    def __init__(self) -> None:
+        self.heads: list[tuple[str, int, Nodes]] = []
+        self.via: dict[int, tuple[str, ...]] = {}
+        self.relays: set[str] = set()
+
+
+def _parent(slot: int, fanout: int) -> int:
+    return slot // fanout - 1 if slot >= fanout else -1
+
+
+def plan(
+    targets: Mapping[int, int],
+    procs: Sequence[str],
+    fanout: int,
+    dead: Collection[str] = (),
+) -> Plan:
+    """Route a message to ``targets`` (rank -> slot) over the tree of ``procs``.
+
+    Returns None-free :class:`Plan`; with ``fanout < 2`` or a mesh of at most
+    ``fanout`` processes, every target is a direct child of the sender.
+    """
+    out = Plan()
+    if fanout < 2 or len(procs) <= fanout:
+        for rank, slot in targets.items():
+            out.heads.append((procs[slot], rank, []))
+        return out
+    rank_of: dict[int, int] = {slot: rank for rank, slot in targets.items()}
+    children: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for slot in sorted(rank_of):
+        node = slot
+        while node not in seen:
+            seen.add(node)
+            up = _parent(node, fanout)
+            # a dead relay is skipped: hang the node off its nearest live ancestor
+            while up != -1 and up not in rank_of and procs[up] in dead:
+                up = _parent(up, fanout)
+            children.setdefault(up, []).append(node)
+            if up == -1:
+                break
+            node = up
+
+    def subtree(slot: int, path: tuple[str, ...]) -> Nodes:
+        nodes: Nodes = []
+        for child in children.get(slot, ()):
+            rank = rank_of.get(child, -1)
+            if rank >= 0 and path:
+                out.via[rank] = path
+            below = subtree(child, (*path, procs[child]))
+            if below:
+                out.relays.add(procs[child])
+            nodes.append((procs[child], rank, len(below)))
+            nodes.extend(below)
+        return nodes
+
+    for head in children.get(-1, ()):
+        addr = procs[head]
+        below = subtree(head, (addr,))
+        if below:
+            out.relays.add(addr)
+        out.heads.append((addr, rank_of.get(head, -1), below))
+    return out
+
+
+def split(nodes: Nodes) -> list[tuple[str, int, Nodes]]:
+    """The children of a subtree given in preorder, each with its own subtree."""
+    out = []
+    i = 0
+    while i < len(nodes):
+        addr, rank, below = nodes[i]
+        out.append((addr, rank, nodes[i + 1 : i + 1 + below]))
+        i += 1 + below
+    return out
+
+
+def ranks_of(own: int, nodes: Nodes) -> set[int]:
+    """The ranks a relay answers for: its own (if any) and those of its subtree."""
+    ranks = {rank for _, rank, _ in nodes if rank >= 0}
+    if own >= 0:
+        ranks.add(own)
+    return ranks
+
+
+class Gather:
+    """A relay's collection of its subtree's replies to one call."""
+
+    __slots__ = ("items", "key", "parts", "reply_id", "reply_to", "waiting")
+
+    def __init__(self, key: tuple[str, int], reply_to: str, reply_id: int, ranks: set[int]):
+        self.key = key
+        self.reply_to = reply_to
+        self.reply_id = reply_id
+        #: ranks not heard from yet
+        self.waiting = ranks
+        self.items: list[_wire.Reply | _wire.Error] = []
+        self.parts: list[Any] = []
+
+    def add(self, env: _wire.Reply | _wire.Error, buffers: Sequence[Any]) -> bool:
+        """Take one reply; True if it should be sent up now (error or complete)."""
+        if env.rank not in self.waiting:
+            return False
+        self.waiting.discard(env.rank)
+        self.items.append(env)
+        if isinstance(env, _wire.Reply):
+            self.parts.extend(buffers)
+            return not self.waiting
+        return True
+
+    def prune(self, ranks: Collection[int]) -> bool:
+        """Stop waiting for ``ranks``; True if there is something to send now."""
+        self.waiting.difference_update(ranks)
+        return not self.waiting and bool(self.items)
+
+    def take(self) -> tuple[_wire.Gathered, list[Any]]:
+        """The collected replies as one frame's envelope and parts; starts afresh."""
+        parts = self.parts
+        env = _wire.Gathered(self.reply_id, self.items, [memoryview(p).nbytes for p in parts])
+        self.items, self.parts = [], []
+        return env, parts

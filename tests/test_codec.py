@@ -1,0 +1,266 @@
+"""The payload codec: out-of-band buffers, large bytes, shared-memory segments."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from amesh import _codec
+from amesh.testing import LeakError, no_leaks, shm_files
+
+pytestmark = pytest.mark.timeout(60)
+
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _release() -> Iterator[None]:
+    """A failing test must not fail the next ones by leaving segments behind."""
+    yield
+    _codec.release_segments()
+
+
+def round_trip(obj: object, *, shm: bool = False) -> object:
+    p = _codec.dumps(obj, shm=shm)
+    return _codec.loads(p.data, p.buffers)
+
+
+def mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process, from /proc/self/maps."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"nothing mapped at {address:#x}")
+
+
+def test_small_objects_round_trip() -> None:
+    for obj in [((b"x" * 64,), {}), ((1, "a", None), {"k": [1.5, b"", bytearray(b"ab")]})]:
+        p = _codec.dumps(obj)
+        assert p.buffers == []
+        assert p.nbytes == len(p.data) < 200
+        assert _codec.loads(p.data, p.buffers) == obj
+        q = _codec.dumps(obj, shm=True)
+        assert (q.data, q.buffers) == (p.data, [])
+    assert shm_files() == set()
+
+
+def test_large_bytes_travel_out_of_band() -> None:
+    blob = os.urandom(MIB)
+    names = [f"name{i}" for i in range(20_000)]  # the pickle spans several frames
+    obj = (names, blob, blob, {"ba": bytearray(blob[:100_000]), "small": b"y" * 1000})
+    p = _codec.dumps(obj)
+    assert len(p.data) < 300_000  # the names; not the blob, nor the bytearray
+    assert [b.nbytes for b in p.buffers] == [MIB, 100_000]
+    got = _codec.loads(p.data, p.buffers)
+    assert got == obj
+    assert type(got[1]) is bytes and got[1] is got[2]  # one object, sent once
+    assert type(got[3]["ba"]) is bytearray
+
+
+def test_non_contiguous_numpy_bytes_go_out_of_band_too() -> None:
+    # numpy pickles a non-contiguous array through ``tobytes()``: a large bytes object.
+    a = np.arange(400_000, dtype=np.float64).reshape(800, 500)[:, ::2]
+    p = _codec.dumps(a)
+    assert len(p.data) < 1000 and [b.nbytes for b in p.buffers] == [a.nbytes]
+    assert np.array_equal(_codec.loads(p.data, p.buffers), a)
+
+
+def test_large_bytes_through_shared_memory() -> None:
+    blob = os.urandom(2 * MIB)
+    p = _codec.dumps({"blob": blob, "mid": b"m" * 100_000}, shm=True)
+    assert len(p.data) < 1000
+    assert [b.nbytes for b in p.buffers] == [100_000]  # under the threshold: in the frame
+    (segment,) = shm_files()
+    assert os.stat(os.path.join(_codec.shm_dir(), segment)).st_mode & 0o777 == 0o600
+    got = _codec.loads(p.data, p.buffers)
+    assert shm_files() == set()  # unlinked as soon as it was opened
+    assert type(got["blob"]) is bytes and got["blob"] == blob
+
+
+def test_numpy_array_through_shared_memory_is_a_view_of_the_mapping() -> None:
+    a = np.random.default_rng(0).random((512, 1024))  # 4 MiB
+    ro = np.arange(MIB, dtype=np.int32)
+    ro.flags.writeable = False
+    p = _codec.dumps((a, ro), shm=True)
+    assert p.buffers == [] and len(p.data) < 1000
+    names = shm_files()
+    assert len(names) == 2
+    got, got_ro = _codec.loads(p.data, p.buffers)
+    assert shm_files() == set()
+    assert np.array_equal(got, a) and np.array_equal(got_ro, ro)
+    for arr in (got, got_ro):
+        where = mapped_file(arr.ctypes.data)
+        assert where.endswith("(deleted)") and os.path.basename(where.split()[0]) in names
+    assert got.flags.writeable and not got_ro.flags.writeable
+    got[0, 0] = -1.0
+    assert got[0, 0] == -1.0
+    view = got[1:]  # the mapping outlives the array it came as, while a view remains
+    del got
+    assert view[0, 1] == a[1, 1]
+
+
+def test_torch_tensor_through_shared_memory_is_a_view_of_the_mapping() -> None:
+    t = torch.randn(1024, 1024)  # 4 MiB
+    strided = torch.arange(4 * MIB, dtype=torch.int16)[::2]  # made contiguous by the sender
+    p = _codec.dumps({"t": t, "s": strided}, shm=True)
+    assert p.buffers == [] and len(p.data) < 1000
+    names = shm_files()
+    got = _codec.loads(p.data, p.buffers)
+    assert shm_files() == set()
+    assert torch.equal(got["t"], t) and torch.equal(got["s"], strided)
+    for tensor in got.values():
+        where = mapped_file(tensor.data_ptr())
+        assert where.endswith("(deleted)") and os.path.basename(where.split()[0]) in names
+    got["t"][0, 0] = 42.0
+    assert got["t"][0, 0].item() == 42.0
+
+
+def test_threshold_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = np.ones(2 * MIB // 8)
+    monkeypatch.setenv("AMESH_SHM_THRESHOLD", str(4 * MIB))
+    assert _codec.shm_threshold() == 4 * MIB
+    p = _codec.dumps(a, shm=True)
+    assert [b.nbytes for b in p.buffers] == [2 * MIB] and shm_files() == set()
+    monkeypatch.setenv("AMESH_SHM_THRESHOLD", "1")
+    assert _codec.shm_threshold() == 64 * 1024  # smaller buffers cannot leave the stream
+    p = _codec.dumps(a, shm=True)
+    assert p.buffers == [] and len(shm_files()) == 1
+    assert np.array_equal(_codec.loads(p.data, p.buffers), a)
+
+
+def test_release_segments_removes_unconsumed_ones() -> None:
+    blob = os.urandom(MIB)
+    consumed = _codec.dumps(blob, shm=True)
+    assert _codec.loads(consumed.data, consumed.buffers) == blob
+    for _ in range(2):
+        _codec.dumps((blob, np.zeros(MIB)), shm=True)
+    assert len(shm_files()) == 4
+    assert _codec.release_segments() == 4
+    assert shm_files() == set()
+    assert _codec.release_segments() == 0
+
+
+def test_loading_a_missing_segment_says_so() -> None:
+    p = _codec.dumps(np.zeros(MIB), shm=True)
+    _codec.release_segments()
+    with pytest.raises(RuntimeError, match=r"shared-memory segment .*amesh-\d+-.* is gone"):
+        _codec.loads(p.data, p.buffers)
+    q = _codec.dumps(os.urandom(MIB), shm=True)
+    _codec.loads(q.data, q.buffers)
+    with pytest.raises(RuntimeError, match="already loaded once"):  # one receiver, once
+        _codec.loads(q.data, q.buffers)
+
+
+def test_registry_forgets_consumed_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMESH_SHM_THRESHOLD", "65536")
+    blob = b"z" * 65536
+    for _ in range(1100):
+        p = _codec.dumps(blob, shm=True)
+        assert _codec.loads(p.data, p.buffers) == blob
+    assert len(_codec._made) < 1024
+
+
+@pytest.mark.parametrize("where", ["missing", "a-file"])
+def test_without_a_segment_directory_buffers_go_in_the_frame(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a-file").touch()
+    monkeypatch.setenv("AMESH_SHM_DIR", str(tmp_path / where))
+    obj = (np.ones(MIB), os.urandom(2 * MIB))
+    p = _codec.dumps(obj, shm=True)
+    assert [b.nbytes for b in p.buffers] == [8 * MIB, 2 * MIB] and len(p.data) < 1000
+    got = _codec.loads(p.data, p.buffers)
+    assert np.array_equal(got[0], obj[0]) and got[1] == obj[1]
+
+
+def test_a_full_segment_directory_sends_in_the_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    t = torch.arange(MIB, dtype=torch.float32)
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", full)
+        p = _codec.dumps((b"small", t), shm=True)
+    assert shm_files() == set()  # the half-made segment is gone
+    assert [b.nbytes for b in p.buffers] == [4 * MIB]
+    assert torch.equal(_codec.loads(p.data, p.buffers)[1], t)
+
+
+def test_no_leaks_reports_a_leaked_segment() -> None:
+    with pytest.raises(LeakError, match="shared-memory segments"), no_leaks():
+        _codec.dumps(np.zeros(MIB), shm=True)
+    _codec.release_segments()
+    assert _codec.shm_dir() == os.environ["AMESH_SHM_DIR"]  # this session's own
+
+
+CHILD = """
+import hashlib, pickle, sys
+import numpy as np, torch
+from amesh import _codec
+
+data, buffers = pickle.loads(sys.stdin.buffer.read())
+arr, t, blob = _codec.loads(data, [memoryview(b) for b in buffers])
+assert arr.flags.writeable
+arr[0] += 1.0  # writable: this process's own copy of the pages now
+print(hashlib.sha256(arr.tobytes() + t.numpy().tobytes() + blob).hexdigest())
+"""
+
+
+def test_another_process_loads_the_segments() -> None:
+    arr = np.random.default_rng(1).random(MIB)
+    t = torch.randn(MIB)
+    blob = os.urandom(3 * MIB)
+    p = _codec.dumps((arr, t, blob), shm=True)
+    assert p.buffers == [] and len(shm_files()) == 3
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        input=pickle.dumps((p.data, [bytes(b) for b in p.buffers])),
+        capture_output=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    arr[0] += 1.0
+    expected = hashlib.sha256(arr.tobytes() + t.numpy().tobytes() + blob).hexdigest()
+    assert out.stdout.decode().strip() == expected
+    assert shm_files() == set()
+
+
+SENDER = """
+import os, sys
+import numpy as np
+from amesh import _codec
+
+_codec.dumps((np.zeros(1 << 20), os.urandom(1 << 21)), shm=True)
+print(os.getpid(), flush=True)
+if sys.argv[1] == "killed":
+    os._exit(0)  # like SIGKILL: no atexit
+"""
+
+
+@pytest.mark.parametrize("end", ["exits", "killed"])
+def test_a_sender_that_ends_leaves_no_segment(end: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", SENDER, end], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout)
+    left = {name for name in shm_files() if name.startswith(f"amesh-{pid}-")}
+    if end == "exits":
+        assert left == set()  # atexit released them
+    else:
+        assert len(left) == 2
+        assert _codec.remove_segments_of(pid) == 2
+    assert shm_files() == set()
