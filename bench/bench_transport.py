@@ -1,6 +1,7 @@
 """Transport throughput and latency between two processes.
 
-Compares raw pynng (``asend``/``arecv``), :class:`NngTransport` and :class:`ExtTransport`:
+Compares raw pynng (``asend``/``arecv``), :class:`NngTransport`, :class:`ExtTransport` and
+:class:`StreamTransport` (length-prefixed frames over unix sockets, I/O on the event loop):
 
 - one-way: frames of 64 bytes per second, sent as fast as the link takes them and
   counted at the receiver from the first frame to the last, and the CPU time (all
@@ -19,6 +20,7 @@ the software's own cost, and unpinned, which adds the cross-CPU wake-ups of the 
 Usage::
 
     python bench/bench_transport.py [--quick] [--json] [--backend asyncio|trio]
+        [--impl pynng|nng|ext|stream ...]
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-IMPLS = ["pynng", "nng", "ext"]
-LABELS = {"pynng": "raw pynng arecv", "nng": "NngTransport", "ext": "ExtTransport"}
+IMPLS = ["pynng", "nng", "ext", "stream"]
+LABELS = {
+    "pynng": "raw pynng arecv",
+    "nng": "NngTransport",
+    "ext": "ExtTransport",
+    "stream": "StreamTransport",
+}
 FRAME = b"x" * 64
 
 
@@ -54,6 +61,10 @@ def _transport(impl: str) -> Any:
         from amesh._transport._ext import ExtTransport
 
         return ExtTransport("abstract")
+    if impl == "stream":
+        from amesh._transport import StreamTransport
+
+        return StreamTransport("abstract")
     from amesh._transport import NngTransport
 
     return NngTransport("abstract")
@@ -353,7 +364,7 @@ def main() -> None:
         ("send cpu", "send_cpu_us", "{:.1f}", False),
     ]
     head = f"{'transport':<17}{'CPUs':<7}" + "".join(
-        f"{name:>11}" + ("" if higher is None else f"{'x':>6}") for name, _, _, higher in cols
+        f"{name:>11}" + ("" if higher is None else f"{'x':>7}") for name, _, _, higher in cols
     )
     print(head)
     print("-" * len(head))
@@ -363,10 +374,10 @@ def main() -> None:
         for _, key, fmt, higher in cols:
             line += f"{fmt.format(r[key]):>11}"
             if higher is not None and b is None:
-                line += f"{'-':>6}"
+                line += f"{'-':>7}"
             elif higher is not None:
                 ratio = r[key] / b[key] if higher else b[key] / r[key]
-                line += f"{ratio:>6.2f}"
+                line += f"{ratio:>7.2f}"
         print(line)
 
 

@@ -98,7 +98,8 @@ async def test_other_transports(scheme: str, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("AMESH_TRANSPORT", scheme)
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 2}) as procs:
-            addrs = procs._live().addrs
+            # stream transport addresses carry a "stream+" prefix
+            addrs = [a.removeprefix("stream+") for a in procs._live().addrs]
             assert all(a.startswith(f"{scheme}://") for a in addrs)
             if scheme == "tcp":
                 assert all(a.startswith("tcp://127.0.0.1:") for a in addrs)
@@ -194,14 +195,20 @@ async def test_workers_ignore_sigint() -> None:
             assert await c.incr.call_one() == 1
 
 
-async def test_parent_death_signal_only_where_the_forking_thread_lives_on(
-    anyio_backend: tuple[str, dict[str, object]],
+@pytest.mark.parametrize("impl", ["stream", "ext", "nng"])
+async def test_every_transport_implementation_end_to_end(
+    impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """trio starts processes from a cached thread that exits after 10 s idle, and the
-    kernel's parent-death signal follows the thread, not the process: a worker started
-    under trio must rely on its stdin pipe alone, or it would die 10 s after start."""
+    """Each transport implementation carries a whole mesh: calls, broadcasts, large
+    payloads, and a relay tree."""
+    monkeypatch.setenv("AMESH_TRANSPORT_IMPL", impl)
     with anyio.fail_after(60):
-        async with ProcMesh(per_host={"procs": 1}) as procs:
-            stats = (await procs.statistics()).values()[0]
-            expected = 0 if anyio_backend[0] == "trio" else signal.SIGKILL
-            assert stats["parent_death_signal"] == expected
+        async with ProcMesh(per_host={"procs": 3}, fanout=2) as procs:
+            addrs = procs._live().addrs
+            assert all(a.startswith("stream+") == (impl == "stream") for a in addrs)
+            c = await procs.spawn("c", Counter)
+            await c.incr.broadcast(2)
+            assert (await c.incr.call()).values() == [3, 3, 3]
+            blob = bytes(range(256)) * 8192  # 2 MiB: out of band, shared memory
+            assert await c.slice(procs=2).echo.call_one(blob) == blob
+            assert (await c.echo.call(blob)).values() == [blob] * 3

@@ -6,11 +6,11 @@ import anyio
 import pytest
 
 from amesh import ActorError, Failure, ProcMesh, SupervisionError
+from amesh._transport import open_transport
 from amesh.testing import (
     FaultyTransport,
     InProcessHost,
     MemoryTransport,
-    NngTransport,
     open_runtime,
 )
 
@@ -72,7 +72,7 @@ async def test_in_process_kill_pause_resume() -> None:
 
 
 async def test_faulty_transport_duplicates_run_once_and_drops_time_out() -> None:
-    faulty = FaultyTransport(NngTransport())
+    faulty = FaultyTransport(open_transport())
     with anyio.fail_after(60):
         async with open_runtime(faulty) as rt:
             async with ProcMesh(per_host={"procs": 2}) as procs:
@@ -98,7 +98,7 @@ async def test_faulty_transport_duplicates_run_once_and_drops_time_out() -> None
 
 
 async def test_faulty_transport_delay_keeps_order() -> None:
-    faulty = FaultyTransport(NngTransport())
+    faulty = FaultyTransport(open_transport())
     with anyio.fail_after(60):
         async with open_runtime(faulty):
             async with ProcMesh(per_host={"procs": 1}) as procs:

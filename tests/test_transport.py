@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import select
-from collections.abc import Callable, Iterator
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -12,27 +16,127 @@ import pynng
 import pytest
 
 from amesh import _ext, _wire
-from amesh._transport import NngTransport, Transport, TransportClosed
+from amesh._transport import (
+    NngTransport,
+    StreamTransport,
+    Transport,
+    TransportClosed,
+    heartbeat_sender,
+    open_transport,
+)
+from amesh._transport import _stream_wire as wire
 from amesh._transport._ext import ExtTransport
-from amesh._transport._nng import _fresh_address
+from amesh._transport._nng import _fresh_address, ipc_dir
 
 pytestmark = pytest.mark.anyio
 
-Factory = Callable[..., Transport]
+
+class AnyioStreamTransport(StreamTransport):
+    """The stream transport's anyio path, also on asyncio."""
+
+    fast_asyncio = False
 
 
-@pytest.fixture(params=[NngTransport, ExtTransport], ids=["nng", "ext"])
-def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
-    """Makes transports of the implementation under test; closes them afterwards."""
-    made: list[Transport] = []
+class Impl:
+    """One implementation under test, and a raw peer that speaks its wire protocol."""
 
-    def factory(**kwargs: Any) -> Transport:
-        t: Transport = request.param("abstract", **kwargs)
-        made.append(t)
+    def __init__(self, cls: Callable[..., Transport], stream: bool) -> None:
+        self.cls = cls
+        self.stream = stream
+
+    def nowhere(self) -> str:
+        """An address nobody listens on (yet): a link to it fills up and stays full."""
+        if self.stream:
+            return wire.fresh_address("abstract")
+        return _fresh_address("abstract", "")
+
+    @contextmanager
+    def raw_sender(self, addr: str) -> Iterator[Callable[[bytes], None]]:
+        """A foreign peer that sends frames to ``addr``."""
+        if not self.stream:
+            with pynng.Push0(dial=addr) as push:
+                yield push.send
+            return
+        family, sockaddr = wire.parse_address(addr)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.connect(sockaddr)
+            yield lambda frame: sock.sendall(struct.pack("<I", len(frame)) + frame)
+
+    @asynccontextmanager
+    async def raw_receiver(self, addr: str) -> AsyncIterator[Callable[[], Any]]:
+        """A foreign peer listening on ``addr``; yields ``await take()`` for a frame."""
+        if not self.stream:
+            with pynng.Pull0(listen=addr) as pull:
+
+                async def take_nng() -> bytes:
+                    while True:
+                        try:
+                            return pull.recv(block=False)  # type: ignore[no-any-return]
+                        except pynng.TryAgain:
+                            await anyio.wait_readable(pull.recv_fd)
+
+                yield take_nng
+            return
+        family, sockaddr = wire.parse_address(addr)
+        frames: list[bytes] = []
+        reader = wire.Reader(2**31, frames.append)
+        conns: list[socket.socket] = []
+        with socket.socket(family, socket.SOCK_STREAM) as lsock:
+            lsock.bind(sockaddr)
+            lsock.listen()
+
+            async def take_stream() -> bytes:
+                while not frames:
+                    if not conns:
+                        await anyio.wait_readable(lsock)
+                        conn, _ = lsock.accept()
+                        conn.setblocking(False)
+                        conns.append(conn)
+                    await anyio.wait_readable(conns[0])
+                    n = conns[0].recv_into(reader.get_buffer())
+                    assert n, "the link closed its connection"
+                    reader.buffer_updated(n)
+                return bytes(frames.pop(0))
+
+            try:
+                yield take_stream
+            finally:
+                for conn in conns:
+                    conn.close()
+
+
+IMPLS = [
+    pytest.param(Impl(NngTransport, False), id="nng"),
+    pytest.param(Impl(ExtTransport, False), id="ext"),
+    pytest.param(Impl(StreamTransport, True), id="stream"),
+    pytest.param(Impl(AnyioStreamTransport, True), id="stream-anyio"),
+]
+
+
+class Factory:
+    """Makes transports of the implementation under test; the test closes them."""
+
+    def __init__(self, impl: Impl) -> None:
+        self.impl = impl
+        self.made: list[Transport] = []
+
+    def __call__(self, scheme: str = "abstract", **kwargs: Any) -> Transport:
+        t: Transport = self.impl.cls(scheme, **kwargs)
+        self.made.append(t)
         return t
 
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest) -> Impl:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def make(impl: Impl) -> AsyncIterator[Factory]:
+    """Transports of the implementation under test, closed inside the event loop."""
+    factory = Factory(impl)
     yield factory
-    for t in made:
+    for t in factory.made:
         t.close()
 
 
@@ -49,11 +153,6 @@ class Inbox:
 
     async def take(self, n: int) -> list[bytes]:
         return [await self._rx.receive() for _ in range(n)]
-
-
-def nowhere() -> str:
-    """An address nobody listens on (yet): a link to it fills up and stays full."""
-    return _fresh_address("abstract", "")
 
 
 def fill(t: Transport, addr: str, limit: int = 1_000_000) -> int:
@@ -151,11 +250,11 @@ async def test_bad_frames(make: Factory) -> None:
                 await a.send(b.address, frame)
             await a.send(b.address, good)
             got = await inbox.take(len(garbage) + 1)
-            # The same from a foreign, raw NNG peer.
-            with pynng.Push0(dial=b.address) as raw:
+            # The same from a foreign, raw peer.
+            with make.impl.raw_sender(b.address) as raw_send:
                 for frame in garbage:
-                    raw.send(frame)
-                raw.send(good)
+                    raw_send(frame)
+                raw_send(good)
                 got += await inbox.take(len(garbage) + 1)
             tg.cancel_scope.cancel()
     assert got == 2 * [*garbage, good]
@@ -207,14 +306,9 @@ async def test_peer_death(make: Factory) -> None:
             tg.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize(
-    "make",
-    [pytest.param(NngTransport, id="nng"), pytest.param(ExtTransport, id="ext")],
-    indirect=True,
-)
 async def test_close_while_busy(make: Factory) -> None:
     """close() ends a running serve() and a send() waiting on a full link."""
-    a, b, sink = make(), make(), nowhere()
+    a, b, sink = make(), make(), make.impl.nowhere()
     ended: dict[str, BaseException | None] = {}
 
     async def run(name: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -281,7 +375,7 @@ async def test_cancel_serve(make: Factory) -> None:
 
 
 async def test_cancel_send(make: Factory) -> None:
-    a, addr = make(), nowhere()
+    a, addr = make(), make.impl.nowhere()
     got: list[bytes] = []
     with anyio.fail_after(30):
         queued = fill(a, addr)
@@ -298,15 +392,10 @@ async def test_cancel_send(make: Factory) -> None:
                 tg.start_soon(a.send, addr, b"cancelled")
         assert scope.cancelled_caught
         # The link drains once the peer appears; a send that was cancelled never went.
-        with pynng.Pull0(listen=addr) as pull:
+        async with make.impl.raw_receiver(addr) as take:
             await a.send(addr, b"last")
             while len(got) < queued + 1:
-                await anyio.wait_readable(pull.recv_fd)
-                while True:
-                    try:
-                        got.append(pull.recv(block=False))
-                    except pynng.TryAgain:
-                        break
+                got.append(await take())
     assert got[-1] == b"last"
     assert b"cancelled" not in got
 
@@ -334,6 +423,232 @@ async def test_implementations_interoperate(
     finally:
         a.close()
         b.close()
+
+
+# -- the stream transport ----------------------------------------------------------------
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(StreamTransport, id="stream"),
+        pytest.param(AnyioStreamTransport, id="stream-anyio"),
+    ]
+)
+async def make_stream(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
+    """Stream transports (both I/O paths), closed inside the event loop."""
+    factory = Factory(Impl(request.param, True))
+    yield factory
+    for t in factory.made:
+        t.close()
+
+
+@pytest.mark.parametrize("scheme", ["abstract", "ipc", "tcp", "auto"])
+async def test_stream_schemes(make_stream: Factory, scheme: str) -> None:
+    """Every scheme works; tcp reports the real port; an ipc file goes at close."""
+    a, b, inbox = make_stream(scheme), make_stream(scheme), Inbox()
+    kind = "abstract" if scheme == "auto" else scheme
+    assert b.address.startswith(f"stream+{kind}://")
+    if scheme == "tcp":
+        host, port = b.address[len("stream+tcp://") :].rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+    path = b.address[len("stream+ipc://") :]
+    if scheme == "ipc":
+        assert os.path.dirname(path) == ipc_dir() and os.path.exists(path)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.serve, inbox.deliver)
+            await a.send(b.address, b"over " + scheme.encode())
+            assert await inbox.take(1) == [b"over " + scheme.encode()]
+            tg.cancel_scope.cancel()
+    b.close()
+    assert not os.path.exists(path)
+
+
+async def test_stream_tcp_ipv6(make_stream: Factory) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        b = make_stream("tcp", host="::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    a, inbox = make_stream(), Inbox()
+    assert b.address.startswith("stream+tcp://[::1]:")
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.serve, inbox.deliver)
+            await a.send(b.address, b"v6")
+            assert await inbox.take(1) == [b"v6"]
+            tg.cancel_scope.cancel()
+
+
+async def test_stream_huge_frame_in_parts(make_stream: Factory) -> None:
+    """A 64 MiB frame of parts arrives whole and writable; the sender may reuse its
+    buffers as soon as send returns."""
+    a, b, inbox = make_stream(), make_stream(), Inbox()
+    body = bytearray(bytes(range(256)) * (64 * 1024 * 1024 // 256))
+    expected = b"head" + bytes(body) + b"tail"
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.serve, inbox.deliver)
+            await a.send(b.address, [b"head", memoryview(body), memoryview(b"tail")])
+            body[:] = bytes(len(body))  # reused at once: what was sent must not change
+            await a.send(b.address, b"after")
+            got = await inbox.take(2)
+            tg.cancel_scope.cancel()
+    assert got[0] == expected
+    assert got[1] == b"after"
+    frame = inbox.kept[0]
+    assert not memoryview(frame).readonly
+
+
+async def test_stream_refuses_other_addresses(make_stream: Factory) -> None:
+    a = make_stream()
+    for addr in ("abstract://amesh-x", "ipc:///tmp/x.sock", "tcp://127.0.0.1:1", "stream+tcp://x"):
+        with pytest.raises(ValueError, match="not a stream transport address"):
+            a.try_send(addr, b"x")
+    with pytest.raises(ValueError, match="unknown transport scheme"):
+        make_stream("udp")
+    with pytest.raises(ValueError, match="max_frame"):
+        make_stream(max_frame=2**32)
+
+
+async def test_stream_drops_a_peer_that_breaks_the_framing(make_stream: Factory) -> None:
+    """A connection that announces a frame above max_frame is closed; others go on."""
+    a, b, inbox = make_stream(), make_stream(max_frame=100), Inbox()
+    family, sockaddr = wire.parse_address(b.address)
+    with socket.socket(family, socket.SOCK_STREAM) as raw, anyio.fail_after(30):
+        raw.connect(sockaddr)
+        raw.sendall(struct.pack("<I", 5) + b"fine!" + struct.pack("<I", 101) + b"x" * 101)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.serve, inbox.deliver)
+            assert await inbox.take(1) == [b"fine!"]
+            raw.setblocking(False)
+            await anyio.wait_readable(raw)
+            try:
+                assert raw.recv(1) == b""  # closed by b
+            except ConnectionResetError:
+                pass
+            await a.send(b.address, b"still here")
+            assert await inbox.take(1) == [b"still here"]
+            tg.cancel_scope.cancel()
+
+
+async def test_stream_redials_a_peer_that_comes_back(make_stream: Factory) -> None:
+    a = make_stream()
+    impl = make_stream.impl
+    addr = impl.nowhere()
+    with anyio.fail_after(30):
+        async with impl.raw_receiver(addr) as take:
+            await a.send(addr, b"first")
+            assert await take() == b"first"
+        # The peer is gone; frames wait for it (or go into the dying connection).
+        for i in range(3):
+            await a.send(addr, bytes([i]))
+        async with impl.raw_receiver(addr) as take:
+            await a.send(addr, b"again")
+            got = [await take()]
+            while got[-1] != b"again":
+                got.append(await take())
+        assert got[-1] == b"again"
+        assert got[:-1] == [bytes([i]) for i in range(3)][-len(got) + 1 :][: len(got) - 1]
+
+
+async def test_stream_deliver_failure_loses_nothing_else(make_stream: Factory) -> None:
+    """An exception from deliver ends serve(); frames behind it wait for the next one."""
+    a, b, inbox = make_stream(), make_stream(), Inbox()
+
+    def deliver(frame: bytes) -> None:
+        if frame == b"boom":
+            raise KeyError("boom")
+        inbox.deliver(frame)
+
+    with anyio.fail_after(30):
+        for frame in (b"1", b"boom", b"2", b"3"):
+            await a.send(b.address, frame)
+        with pytest.raises(KeyError, match="boom"):
+            await b.serve(deliver)
+        await a.send(b.address, b"4")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.serve, deliver)
+            assert await inbox.take(4) == [b"1", b"2", b"3", b"4"]
+            with pytest.raises(RuntimeError, match="already running"):
+                await b.serve(deliver)
+            tg.cancel_scope.cancel()
+
+
+async def test_stream_forget_wakes_waiting_senders(make_stream: Factory) -> None:
+    a, addr = make_stream(), make_stream.impl.nowhere()
+    fill(a, addr)
+    with anyio.fail_after(30):
+        with pytest.RaisesGroup(pytest.RaisesExc(TransportClosed, match="link to")):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.send, addr, b"waits")
+                await anyio.wait_all_tasks_blocked()
+                a.forget(addr)
+    assert a.statistics().peers == 0
+    assert a.try_send(addr, b"a new link")
+
+
+@pytest.mark.parametrize("kind", ["nng", "stream"])
+async def test_heartbeat_sender(kind: str) -> None:
+    """The blocking sender the worker's heartbeat thread uses, for both kinds of
+    address: it sends, drops rather than block, and dials again."""
+    t = NngTransport("abstract") if kind == "nng" else StreamTransport("abstract")
+    inbox = Inbox()
+    sender = heartbeat_sender(t.address)
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(t.serve, inbox.deliver)
+                assert sender.send(b"beat")
+                assert await inbox.take(1) == [b"beat"]
+                tg.cancel_scope.cancel()
+    finally:
+        t.close()
+    if kind == "stream":
+        sender.close()
+        sender = heartbeat_sender(t.address)
+        assert not sender.send(b"beat")  # nobody listens: dropped at once
+        sender.close()
+        addr = wire.fresh_address("abstract")
+        sender = heartbeat_sender(addr)
+        assert not sender.send(b"beat")
+        async with Impl(StreamTransport, True).raw_receiver(addr) as take:
+            assert sender.send(b"beat")  # dialled again
+            with anyio.fail_after(5):
+                assert await take() == b"beat"
+    sender.close()
+    sender.close()
+
+
+def test_open_transport_picks_the_stream_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMESH_TRANSPORT_IMPL", "stream")
+    t = open_transport("ipc")
+    try:
+        assert isinstance(t, StreamTransport)
+        assert t.address.startswith("stream+ipc://")
+    finally:
+        t.close()
+    # A worker follows its parent: a stream+ scheme means a stream transport.
+    monkeypatch.setenv("AMESH_TRANSPORT_IMPL", "nng")
+    t = open_transport("stream+abstract")
+    t.close()
+    assert isinstance(t, StreamTransport)
+    # ``reach`` picks what can send to that address, whatever the default.
+    t = open_transport("abstract", reach="abstract://amesh-parent")
+    t.close()
+    assert not isinstance(t, StreamTransport)
+    monkeypatch.setenv("AMESH_TRANSPORT_IMPL", "stream")
+    t = open_transport("stream+abstract", reach="abstract://amesh-parent")
+    t.close()
+    assert not isinstance(t, StreamTransport)
+    monkeypatch.setenv("AMESH_TRANSPORT_IMPL", "nng")
+    t = open_transport("abstract", reach="stream+abstract://amesh-parent")
+    t.close()
+    assert isinstance(t, StreamTransport)
+    monkeypatch.setenv("AMESH_TRANSPORT_IMPL", "udp")
+    with pytest.raises(ValueError, match="AMESH_TRANSPORT_IMPL"):
+        open_transport()
 
 
 # -- the extension itself ----------------------------------------------------------------

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import uuid
-
 import anyio
 import msgspec
-import pynng
 import pytest
+from anyio.abc import TaskGroup
 
 from amesh import ProcMesh, _codec, _wire
 from amesh._proc_agent import AGENT_KEY
+from amesh._transport import open_transport
 
 from .actors import Counter
 
@@ -24,11 +23,6 @@ def _stats_call(reply_to: str, call_id: int) -> bytes:
             _wire.Call(reply_to, call_id, 0, AGENT_KEY, "statistics", ["procs"], [1], payload)
         )
     )
-
-
-async def _recv(sock: pynng.Socket) -> _wire.Envelope:
-    frame = await anyio.to_thread.run_sync(sock.recv)
-    return _wire.decode(frame)[0]
 
 
 def test_wire_roundtrip_and_rejects() -> None:
@@ -73,17 +67,31 @@ def test_wire_roundtrip_and_rejects() -> None:
     )
 
 
+class RawPeer:
+    """A bare transport of the default kind: sends any bytes, receives raw frames."""
+
+    def __init__(self, tg: TaskGroup) -> None:
+        self.transport = open_transport()
+        self.address = self.transport.address
+        send, self._inbox = anyio.create_memory_object_stream[bytes](100)
+        tg.start_soon(self.transport.serve, lambda f: send.send_nowait(bytes(f)))
+
+    async def send(self, addr: str, frame: bytes) -> None:
+        await self.transport.send(addr, frame)
+
+    async def recv(self) -> _wire.Envelope:
+        return _wire.decode(await self._inbox.receive())[0]
+
+
 async def test_garbage_and_truncated_frames_are_dropped_and_counted() -> None:
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 1}) as procs:
             c = await procs.spawn("c", Counter)
             worker = procs._live().addrs[0]
-            me = f"abstract://amesh-test-{uuid.uuid4().hex}"
-            with (
-                pynng.Pull0(listen=me, recv_timeout=20_000) as inbox,
-                pynng.Push0(dial=worker, send_timeout=20_000) as out,
-            ):
-                out.send(b"\x00\x01 this is not a frame")
+            async with anyio.create_task_group() as tg:
+                peer = RawPeer(tg)
+                me = peer.address
+                await peer.send(worker, b"\x00\x01 this is not a frame")
                 good = _wire.join(
                     _wire.encode(
                         _wire.Cast(
@@ -91,11 +99,13 @@ async def test_garbage_and_truncated_frames_are_dropped_and_counted() -> None:
                         )
                     )
                 )
-                out.send(good[: len(good) // 2])  # truncated
-                out.send(b"")
+                await peer.send(worker, good[: len(good) // 2])  # truncated
+                await peer.send(worker, b"")
                 # Same sender, so FIFO: the stats call is handled after the bad frames.
-                out.send(_stats_call(me, 77))
-                reply = await _recv(inbox)
+                await peer.send(worker, _stats_call(me, 77))
+                reply = await peer.recv()
+                tg.cancel_scope.cancel()
+            peer.transport.close()
             assert isinstance(reply, _wire.Reply) and reply.call_id == 77
             stats = _codec.loads(reply.payload)
             assert stats["frames_dropped"] == 3
@@ -109,20 +119,22 @@ async def test_unknown_protocol_version_gets_a_clear_error() -> None:
         async with ProcMesh(per_host={"procs": 1}) as procs:
             c = await procs.spawn("c", Counter)
             worker = procs._live().addrs[0]
-            me = f"abstract://amesh-test-{uuid.uuid4().hex}"
-            with (
-                pynng.Pull0(listen=me, recv_timeout=20_000) as inbox,
-                pynng.Push0(dial=worker, send_timeout=20_000) as out,
-            ):
+            async with anyio.create_task_group() as tg:
+                peer = RawPeer(tg)
+                me = peer.address
                 future = msgspec.msgpack.encode(["call", me, 5, 0, "something", "new"])
-                out.send(b"AM\x63" + len(future).to_bytes(4, "little") + future)
-                reply = await _recv(inbox)
+                await peer.send(worker, b"AM\x63" + len(future).to_bytes(4, "little") + future)
+                reply = await peer.recv()
                 assert isinstance(reply, _wire.Error)
                 assert reply.call_id == 5
                 assert reply.type_name == "amesh.ProtocolError"
                 assert "protocol version 99" in reply.message
                 assert f"version {_wire.VERSION}" in reply.message
-                out.send(_stats_call(me, 6))
-                stats = _codec.loads((await _recv(inbox)).payload)  # type: ignore[union-attr]
+                await peer.send(worker, _stats_call(me, 6))
+                stats_reply = await peer.recv()
+                tg.cancel_scope.cancel()
+            peer.transport.close()
+            assert isinstance(stats_reply, _wire.Reply)
+            stats = _codec.loads(stats_reply.payload)
             assert stats["bad_version"] == 1
             assert await c.incr.call_one() == 1

@@ -266,10 +266,11 @@ class ProcMesh(MeshView):
         return self
 
     def _scheme(self, rt: Runtime) -> tuple[str, str]:
-        scheme = rt.address.split("://", 1)[0]
+        # workers listen the way the controller does ("stream+tcp", "abstract", ...)
+        scheme, rest = rt.address.split("://", 1)
         host = default_transport()[1]
-        if scheme == "tcp":
-            host = rt.address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if scheme.removeprefix("stream+") == "tcp":
+            host = rest.rsplit(":", 1)[0].strip("[]")
         return scheme, host
 
     async def _start_procs(self, rt: Runtime, n: int) -> list[ProcHandle]:

@@ -1,8 +1,12 @@
-"""Entry point of a worker process: ``python -m amesh._worker``.
+"""Entry point of a worker process: ``python -m amesh._worker``, or :func:`main` in a
+child of the zygote (:mod:`amesh._hosts._zygote`), which runs it after its fork.
 
 The worker dies with its parent: the kernel sends it SIGKILL when the parent exits
-(PR_SET_PDEATHSIG), and a thread exits the process when the parent's end of its
-stdin pipe closes (which also covers platforms without prctl).
+(PR_SET_PDEATHSIG), and a thread exits the process when the write end of its stdin
+pipe closes (which also covers platforms without prctl). An exec'd worker's parent is
+the controller, which holds that end. A forked worker's parent is the zygote, and its
+stdin is the zygote's lifeline pipe, whose write end only the controller holds: it
+dies with the zygote, and with the controller even if the zygote is gone.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import pynng
 
 from . import _wire
 from ._actor import handlers_of
@@ -28,7 +31,7 @@ from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime._context import call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
-from ._transport import Transport, open_transport
+from ._transport import Transport, heartbeat_sender, open_transport
 
 _PR_SET_PDEATHSIG = 1
 
@@ -58,12 +61,12 @@ def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
 def _send_heartbeats(boot: Bootstrap, addr: str, stop: threading.Event) -> None:
     """Tell the parent we are alive, from a thread: a busy event loop is not dead."""
     frame = _wire.join(_wire.encode(_wire.Heartbeat(addr, os.getpid())))
-    with pynng.Push0(dial=boot.parent, send_buffer_size=4, send_timeout=1000) as sock:
+    sender = heartbeat_sender(boot.parent)
+    try:
         while not stop.wait(boot.heartbeat_period):
-            try:
-                sock.send(frame, block=False)
-            except pynng.TryAgain:
-                pass  # the parent is slow; a later beat will do
+            sender.send(frame)  # False: the parent is slow or away; a later beat will do
+    finally:
+        sender.close()
 
 
 async def serve(
@@ -110,7 +113,7 @@ def _thread_heartbeats(boot: Bootstrap, rt: Runtime) -> Iterator[None]:
 
 async def _serve(boot: Bootstrap) -> None:
     await serve(
-        lambda: open_transport(boot.scheme, host=boot.host),
+        lambda: open_transport(boot.scheme, host=boot.host, reach=boot.parent),
         boot.parent,
         boot.token,
         lambda rt: _thread_heartbeats(boot, rt),

@@ -40,7 +40,8 @@ from hypothesis.stateful import (
 from amesh import ActorError, ActorMesh, Failure, ProcMesh, SupervisionError
 from amesh._runtime._context import runtime_var
 from amesh._runtime._runtime import Runtime, open_runtime
-from amesh.testing import InProcessHost, MemoryTransport, NngTransport
+from amesh._transport import open_transport
+from amesh.testing import InProcessHost, MemoryTransport
 
 from ..actors import Model
 
@@ -88,7 +89,7 @@ class MeshMachine(RuleBasedStateMachine):
     # -- how the world works; overridden per machine --------------------------------------
 
     def transport(self) -> Any:
-        return NngTransport()
+        return open_transport()
 
     def host(self) -> Any:
         return None

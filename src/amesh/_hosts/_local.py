@@ -1,13 +1,23 @@
-"""Worker processes on this machine, started fresh (spawn + exec, never fork)."""
+"""Worker processes on this machine.
+
+A worker is forked from a zygote: one fresh interpreter per controller runtime that
+imported everything a worker needs and has never run a thread or an event loop (see
+:mod:`amesh._hosts._zygote` for why forking it is safe). The controller itself is
+never forked. ``AMESH_ZYGOTE=0`` execs each worker fresh instead (``python -m
+amesh._worker``), which is also the fallback when the zygote cannot start or cannot
+honour a worker's environment.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import uuid
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,6 +31,7 @@ from .._runtime._runtime import Runtime
 
 if TYPE_CHECKING:
     from .._proc_mesh import ProcMesh
+    from ._zygote import Zygote
 
 __all__ = [
     "Host",
@@ -32,8 +43,10 @@ __all__ = [
     "this_host",
 ]
 
-#: How long a worker may take from exec to listening.
+#: How long a worker may take from exec (or fork) to listening.
 STARTUP_TIMEOUT = 60.0
+
+log = logging.getLogger("amesh.hosts")
 
 
 class Bootstrap(msgspec.Struct, frozen=True):
@@ -173,35 +186,20 @@ class LocalHost:
             SupervisionError: it exited, or did not report in time.
         """
         ready = ReadyWaiter(rt)
-        token = ready.token
-        # asyncio (and uvloop) fork from the event loop's own thread; trio forks from a
-        # cached worker thread that exits when idle, which would fire the signal.
-        pdeathsig = (
-            sniffio.current_async_library() == "asyncio"
-            and threading.current_thread() is threading.main_thread()
-        )
-        boot = Bootstrap(
-            rt.address,
-            os.getpid(),
-            token,
-            scheme,
-            host,
-            list(sys.path),
-            heartbeat_period,
-            pdeathsig,
-        )
         child_env = dict(os.environ)
         child_env.update(env or {})
-        child_env["AMESH_BOOTSTRAP"] = msgspec.json.encode(boot).decode()
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         try:
-            process = await anyio.open_process(
-                [sys.executable, "-m", "amesh._worker"],
-                stdin=subprocess.PIPE,
-                stdout=None,
-                stderr=None,
-                env=child_env,
-            )
+            process: ProcessLike | None = None
+            zygote = await _zygote_for(rt, child_env)
+            if zygote is not None:
+                process, pid = await _fork_worker(
+                    zygote, rt, ready.token, scheme, host, child_env, heartbeat_period
+                )
+            if process is None:
+                process, pid = await _exec_worker(
+                    rt, ready.token, scheme, host, child_env, heartbeat_period
+                )
         except BaseException:
             ready.cancel()
             raise
@@ -223,7 +221,7 @@ class LocalHost:
                     why = describe_exit(process.returncode or 0)
                 else:
                     why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
-                raise SupervisionError(f"worker process {process.pid} {why} while starting")
+                raise SupervisionError(f"worker process {pid} {why} while starting")
         except BaseException:
             ready.cancel()
             with anyio.CancelScope(shield=True):
@@ -233,6 +231,100 @@ class LocalHost:
                 await process.aclose()
             raise
         return ProcHandle(ready.msg.addr, ready.msg.pid, process)
+
+
+async def _exec_worker(
+    rt: Runtime,
+    token: str,
+    scheme: str,
+    host: str,
+    child_env: dict[str, str],
+    heartbeat_period: float,
+) -> tuple[ProcessLike, int]:
+    """``python -m amesh._worker``, a child of this process."""
+    # asyncio (and uvloop) fork from the event loop's own thread; trio forks from a
+    # cached worker thread that exits when idle, which would fire the signal.
+    pdeathsig = (
+        sniffio.current_async_library() == "asyncio"
+        and threading.current_thread() is threading.main_thread()
+    )
+    boot = Bootstrap(
+        rt.address, os.getpid(), token, scheme, host, list(sys.path), heartbeat_period, pdeathsig
+    )
+    process = await anyio.open_process(
+        [sys.executable, "-m", "amesh._worker"],
+        stdin=subprocess.PIPE,
+        stdout=None,
+        stderr=None,
+        env={**child_env, "AMESH_BOOTSTRAP": msgspec.json.encode(boot).decode()},
+    )
+    return process, process.pid
+
+
+async def _fork_worker(
+    zygote: Zygote,
+    rt: Runtime,
+    token: str,
+    scheme: str,
+    host: str,
+    child_env: dict[str, str],
+    heartbeat_period: float,
+) -> tuple[ProcessLike | None, int]:
+    """A worker forked by ``zygote``; ``(None, 0)`` when it cannot (exec one instead)."""
+    from ._zygote import ZygoteError
+
+    # The zygote forks from its only thread, which lives as long as it does.
+    boot = Bootstrap(
+        rt.address, zygote.pid, token, scheme, host, list(sys.path), heartbeat_period, True
+    )
+    try:
+        cwd = os.getcwd()
+        process = await zygote.spawn(
+            {**child_env, "AMESH_BOOTSTRAP": msgspec.json.encode(boot).decode()}, cwd
+        )
+    except (ZygoteError, OSError) as exc:
+        log.warning("starting a worker without the zygote: %s", exc)
+        return None, 0
+    return process, process.pid
+
+
+class _ZygoteSlot:
+    """The zygote of one runtime: being started, running, or not to be used."""
+
+    def __init__(self) -> None:
+        self.zygote: Zygote | None = None
+        self.ready = anyio.Event()
+
+
+#: One zygote per controller runtime, started with its first local worker.
+_ZYGOTES: weakref.WeakKeyDictionary[Runtime, _ZygoteSlot] = weakref.WeakKeyDictionary()
+
+
+async def _zygote_for(rt: Runtime, child_env: Mapping[str, str]) -> Zygote | None:
+    """``rt``'s zygote, started on first use; None where workers must be exec'd."""
+    from ._zygote import Zygote, enabled
+
+    if not enabled() or rt.closed:
+        return None
+    while (slot := _ZYGOTES.get(rt)) is not None and not slot.ready.is_set():
+        await slot.ready.wait()
+    if slot is None:
+        slot = _ZYGOTES[rt] = _ZygoteSlot()
+        try:
+            # rt.owned is stopped at the runtime's exit, in reverse: the zygote, added
+            # before the meshes that use it, stops after them.
+            slot.zygote = await Zygote.start(rt.start_soon, lambda z: rt.owned.append(z))
+        except anyio.get_cancelled_exc_class():
+            del _ZYGOTES[rt]  # let a later start try again
+            raise
+        except Exception as exc:
+            log.warning("no zygote; each worker is exec'd instead: %s", exc)
+        finally:
+            slot.ready.set()
+    zygote = slot.zygote
+    if zygote is None or not zygote.usable or not zygote.fits(child_env):
+        return None
+    return zygote
 
 
 _THIS_HOST = LocalHost()

@@ -181,13 +181,17 @@ class ActorInstance:
                 return
             env, buffers = item
             key = (env.sender, env.call_id)
-            rt.queued.discard(key)
             if isinstance(env, _wire.Cast):
                 rt.taken(env.sender, self.key, sum(env.buffers) + len(env.payload))
+            # The request counts as queued until its handler registers as running, so
+            # a cancel in between (waiting for the serial handler, or for its task to
+            # start) is not lost: the handler sees it and does not run.
             if key in rt.cancelled:
+                rt.queued.discard(key)
                 rt.cancelled.discard(key)
                 continue
             if self.failed is not None:
+                rt.queued.discard(key)
                 await self.refuse(env)
                 continue
             handler = self.handlers.get(env.method)
@@ -246,6 +250,10 @@ class ActorInstance:
     ) -> None:
         rt = self.runtime
         key = (env.sender, env.call_id)
+        rt.queued.discard(key)
+        if key in rt.cancelled:  # cancelled after it left the mailbox, before it ran
+            rt.cancelled.discard(key)
+            return
         is_call = isinstance(env, _wire.Call)
         chain = list(env.chain) if isinstance(env, _wire.Call) else []
         if handler is not None and not handler.concurrent:

@@ -21,6 +21,7 @@ from ._inprocess import InProcessHost as InProcessHost
 from ._inprocess import InProcessWorker as InProcessWorker
 from ._leaks import LeakError as LeakError
 from ._leaks import child_pids as child_pids
+from ._leaks import descendant_pids as descendant_pids
 from ._leaks import no_leaks as no_leaks
 from ._leaks import shm_files as shm_files
 from ._leaks import socket_files as socket_files
@@ -36,6 +37,7 @@ __all__ = [
     "Runtime",
     "Transport",
     "child_pids",
+    "descendant_pids",
     "no_leaks",
     "open_runtime",
     "shm_files",

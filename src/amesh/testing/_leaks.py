@@ -12,6 +12,7 @@ from .._transport._nng import ipc_dir
 __all__ = [
     "LeakError",
     "child_pids",
+    "descendant_pids",
     "ipc_dir",
     "no_leaks",
     "shm_dir",
@@ -41,6 +42,19 @@ def child_pids(pid: int | None = None) -> set[int]:
     return out
 
 
+def descendant_pids(pid: int | None = None) -> set[int]:
+    """Children of ``pid``, their children and so on (workers forked by a zygote are
+    grandchildren of the controller)."""
+    out: set[int] = set()
+    todo = [pid or os.getpid()]
+    while todo:
+        for child in child_pids(todo.pop()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
 def socket_files() -> set[str]:
     """amesh's socket files that exist now."""
     try:
@@ -65,13 +79,13 @@ def shm_files() -> set[str]:
 @contextmanager
 def no_leaks() -> Iterator[None]:
     """Raise :class:`LeakError` if the block leaves a child process, socket file or segment."""
-    kids = child_pids()
+    kids = descendant_pids()
     files = socket_files()
     segments = shm_files()
     yield
-    leaked = child_pids() - kids
+    leaked = descendant_pids() - kids
     if leaked:
-        raise LeakError(f"leaked child processes {sorted(leaked)}")
+        raise LeakError(f"leaked processes {sorted(leaked)}")
     new_files = socket_files() - files
     if new_files:
         raise LeakError(f"leaked socket files {sorted(new_files)}")

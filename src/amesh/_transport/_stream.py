@@ -1,0 +1,425 @@
+"""Transport over plain stream sockets, with its I/O on the event loop.
+
+Every frame travels as a 4-byte little-endian length followed by the frame's bytes.
+A transport listens on one socket and accepts any number of connections; towards each
+peer it keeps one outbound connection, dialled on the first send. Frames on one
+connection arrive in the order they were written, which gives the ordering of one
+sender to one receiver that :class:`~amesh._transport.Transport` promises.
+
+Addresses say what they are, so that neither NNG nor this transport dials the other's
+protocol:
+
+- ``stream+abstract://NAME``: a Linux abstract unix socket (no file);
+- ``stream+ipc:///PATH.sock``: a unix socket file under
+  :func:`~amesh._transport._nng.ipc_dir`, removed at :meth:`StreamTransport.close`;
+- ``stream+tcp://HOST:PORT`` (``[HOST]`` for IPv6): always a numeric host, the one the
+  listener is bound to, and the real port when it was asked for port 0.
+
+On asyncio (uvloop in amesh's processes) the loop's own protocols do the I/O: inbound
+connections are read by a :class:`asyncio.BufferedProtocol` that splits frames straight
+out of its buffer, and a frame is written with one ``writev`` of the length and its
+parts when the connection has nothing buffered. On trio, and on asyncio when
+:attr:`StreamTransport.fast_asyncio` is off, non-blocking sockets are driven with
+anyio's ``wait_readable``/``wait_writable``: a reader task per inbound connection inside
+:meth:`~StreamTransport.serve` and a background task per outbound link.
+
+Back-pressure: a link accepts frames while less than :data:`HIGH_WATER` bytes wait in
+user space (frames queued until the connection is up, and whatever the kernel did not
+take yet). Above that ``try_send`` says False and ``send`` waits for the link to drain;
+waiting senders keep their turn, so a ``try_send`` never overtakes them.
+
+Peers going away: like NNG's Push0 links, a link that breaks or cannot connect keeps
+the frames sent to it and dials again in the background (10 ms, doubling to 200 ms),
+for as long as it has something to send. Sends to a dead peer therefore fill the link
+and then wait; they never fail nor hang the transport. Frames written into a connection
+that then breaks are lost. The owner calls :meth:`~StreamTransport.forget` when it
+learns the peer is gone, which drops the link and wakes its waiting senders with
+:class:`TransportClosed`.
+
+Frames are the sender's again when ``try_send``/``send`` return: what the kernel did not
+take at once is kept by reference when it is immutable ``bytes``, and copied otherwise.
+Frames are delivered as ``bytes`` when small and as a writable memoryview of a
+``bytearray`` of their own when large; in both cases the receiver may keep them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import anyio
+import sniffio
+
+from .._wire import Frame
+from ._base import TransportClosed, TransportStats
+from ._nng import DEFAULT_MAX_FRAME, ipc_dir
+from ._stream_io import (
+    HIGH_WATER,
+    AioInbound,
+    AioLink,
+    AnyioInbound,
+    AnyioLink,
+    notify_closing_quietly,
+    spawn_system_task,
+)
+from ._stream_wire import (
+    HEADER,
+    HLEN,
+    MAX_SIZE,
+    PREFIX,
+    BadStream,
+    Buf,
+    StreamBeat,
+    byte_view,
+    fresh_address,
+    is_stream_address,
+    nbytes,
+    parse_address,
+)
+
+__all__ = ["HIGH_WATER", "StreamBeat", "StreamTransport", "is_stream_address", "parse_address"]
+
+log = logging.getLogger(__name__)
+
+
+def _listen(scheme: str, host: str) -> tuple[socket.socket, str, str | None]:
+    """A non-blocking listening socket on a fresh address: (socket, address, ipc path)."""
+    scheme = scheme.removeprefix(PREFIX)
+    if scheme == "auto":
+        scheme = "abstract" if sys.platform == "linux" else "ipc"
+    addr = fresh_address(scheme, host.strip("[]"))
+    family, sockaddr = parse_address(addr)
+    if scheme == "ipc":
+        os.makedirs(ipc_dir(), mode=0o700, exist_ok=True)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.bind(sockaddr)
+        if scheme == "tcp":  # report the port the kernel picked
+            bound_host, port = sock.getsockname()[:2]
+            shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+            addr = f"{PREFIX}tcp://{shown}:{port}"
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, addr, sockaddr if isinstance(sockaddr, str) and scheme == "ipc" else None
+
+
+# -- the transport -----------------------------------------------------------------------
+
+_Link = AioLink | AnyioLink
+_Inbound = AioInbound | AnyioInbound
+
+
+class StreamTransport:
+    """See :class:`amesh._transport.Transport`, and this module's docstring.
+
+    Args:
+        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto`` (abstract on Linux, else
+            ipc); a ``stream+`` prefix is allowed.
+        host: the address to listen on for tcp.
+        max_frame: the largest frame accepted, in bytes (sent and received; at most
+            2**32 - 1).
+
+    Raises:
+        ValueError: an unknown scheme, or ``max_frame`` out of range.
+    """
+
+    #: On asyncio, do the I/O with the loop's protocols (else as on trio).
+    fast_asyncio: ClassVar[bool] = True
+
+    def __init__(
+        self, scheme: str = "auto", *, host: str = "127.0.0.1", max_frame: int = DEFAULT_MAX_FRAME
+    ) -> None:
+        if not 0 <= max_frame <= MAX_SIZE:
+            raise ValueError(f"max_frame must be between 0 and {MAX_SIZE}, not {max_frame}")
+        self._max_frame = max_frame
+        self._closed = False
+        self._links: dict[str, _Link] = {}
+        self._inbound: set[_Inbound] = set()
+        #: Frames received while nobody served (or after ``deliver`` failed).
+        self._backlog: deque[Buf] = deque()
+        self._deliver: Callable[[Any], None] | None = None
+        self._serving = False
+        self._serve_error: BaseException | None = None
+        self._wake_serve: Callable[[], None] | None = None
+        self._backend = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._tasks: set[Any] = set()
+        self._sent = self._received = self._bytes_sent = self._bytes_received = 0
+        self._lsock, self._address, self._ipc_path = _listen(scheme, host)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def max_frame(self) -> int:
+        return self._max_frame
+
+    def _fast(self) -> bool:
+        """Pick the backend on first use: asyncio protocols, or anyio."""
+        if not self._backend:
+            try:
+                self._backend = sniffio.current_async_library()
+            except sniffio.AsyncLibraryNotFoundError:
+                # A loop callback (a deliver, say) runs outside any task.
+                asyncio.get_running_loop()
+                self._backend = "asyncio"
+            if self._backend == "asyncio":
+                self._loop = asyncio.get_running_loop()
+        return self._backend == "asyncio" and self.fast_asyncio
+
+    # -- sending ---------------------------------------------------------------------
+
+    def _frame(self, frame: Frame) -> tuple[list[Buf], int, int]:
+        """The buffers to write for ``frame`` (length first), their total, its size."""
+        if self._closed:
+            raise TransportClosed("transport is closed")
+        if isinstance(frame, bytes):
+            parts: list[Buf] = [frame]
+        elif isinstance(frame, list):
+            parts = [p if isinstance(p, bytes) else byte_view(p) for p in frame]
+        else:
+            parts = [byte_view(frame)]
+        size = nbytes(parts)
+        if size > self._max_frame:
+            raise ValueError(
+                f"message of {size} bytes exceeds the transport limit of {self._max_frame} bytes"
+            )
+        return [HEADER.pack(size), *parts], size + HLEN, size
+
+    def _link(self, addr: str) -> _Link:
+        link = self._links.get(addr)
+        if link is None:
+            if self._closed:
+                raise TransportClosed("transport is closed")
+            family, sockaddr = parse_address(addr)
+            if self._fast():
+                assert self._loop is not None
+                link = AioLink(self._loop, family, sockaddr)
+            else:
+                link = AnyioLink(family, sockaddr)
+                spawn_system_task(self._backend, link.run, self._tasks)
+            self._links[addr] = link
+        return link
+
+    def try_send(self, addr: str, frame: Frame) -> bool:
+        bufs, total, size = self._frame(frame)
+        link = self._links.get(addr) or self._link(addr)
+        if link.waiters or not link.writable():
+            return False
+        link.write(bufs, total)
+        self._sent += 1
+        self._bytes_sent += size
+        return True
+
+    async def send(self, addr: str, frame: Frame) -> None:
+        bufs, total, size = self._frame(frame)
+        link = self._links.get(addr) or self._link(addr)
+        if not link.waiters and link.writable():
+            link.write(bufs, total)
+        else:
+            # Wait for room, in turn with other waiting senders.
+            if link.lock is None:
+                link.lock = anyio.Lock()
+            link.waiters += 1
+            try:
+                async with link.lock:
+                    while True:
+                        if self._closed:
+                            raise TransportClosed("transport is closed")
+                        if link.closed:
+                            raise TransportClosed(f"link to {addr} was closed")
+                        if link.writable():
+                            break
+                        await link.wait_space()
+                    link.write(bufs, total)
+            finally:
+                link.waiters -= 1
+        self._sent += 1
+        self._bytes_sent += size
+
+    def forget(self, addr: str) -> None:
+        link = self._links.pop(addr, None)
+        if link is not None:
+            link.close(drop=True)
+
+    # -- receiving -------------------------------------------------------------------
+
+    async def serve(self, deliver: Callable[[Any], None]) -> None:
+        if self._closed:
+            raise TransportClosed("transport is closed")
+        if self._serving:
+            raise RuntimeError("serve() is already running")
+        self._serving = True
+        try:
+            if self._fast():
+                await self._serve_asyncio(deliver)
+            else:
+                await self._serve_anyio(deliver)
+        finally:
+            self._serving = False
+            self._deliver = self._wake_serve = None
+        error, self._serve_error = self._serve_error, None
+        if error is not None:
+            raise error
+        raise TransportClosed("transport is closed")
+
+    def _start_serving(self, deliver: Callable[[Any], None]) -> None:
+        """Deliver the backlog, then deliver as frames come."""
+        while self._backlog and not self._closed:
+            frame = self._backlog.popleft()
+            self._received += 1
+            self._bytes_received += len(frame)
+            deliver(frame)
+        if self._closed:
+            raise TransportClosed("transport is closed")
+        self._deliver = deliver
+        for conn in list(self._inbound):
+            conn.resume()
+
+    def _inbound_frame(self, frame: Buf, conn: _Inbound) -> None:
+        deliver = self._deliver
+        if deliver is None:
+            self._backlog.append(frame)
+            conn.pause()
+            return
+        self._received += 1
+        self._bytes_received += len(frame)
+        try:
+            deliver(frame)
+        except BaseException as exc:  # serve() raises it; later frames wait in the backlog
+            self._serve_error = exc
+            self._deliver = None
+            if self._wake_serve is not None:
+                self._wake_serve()
+
+    async def _serve_asyncio(self, deliver: Callable[[Any], None]) -> None:
+        loop = self._loop
+        assert loop is not None
+        if self._server is None:
+            if self._lsock.family == socket.AF_UNIX:
+                self._server = await loop.create_unix_server(
+                    lambda: AioInbound(self), sock=self._lsock, backlog=socket.SOMAXCONN
+                )
+            else:
+                self._server = await loop.create_server(
+                    lambda: AioInbound(self), sock=self._lsock, backlog=socket.SOMAXCONN
+                )
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        self._wake_serve = wake
+        self._start_serving(deliver)
+        await ended
+
+    async def _serve_anyio(self, deliver: Callable[[Any], None]) -> None:
+        self._start_serving(deliver)
+        async with anyio.create_task_group() as tg:
+            self._wake_serve = tg.cancel_scope.cancel
+            tg.start_soon(self._accept, tg)
+            for conn in list(self._inbound):
+                assert isinstance(conn, AnyioInbound)
+                tg.start_soon(self._read, conn)
+
+    async def _accept(self, tg: anyio.abc.TaskGroup) -> None:
+        lsock = self._lsock
+        try:
+            while True:
+                await anyio.wait_readable(lsock)
+                try:
+                    sock, _ = lsock.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        raise
+                    log.warning("cannot accept a connection: %s", exc)
+                    await anyio.sleep(0.1)
+                    continue
+                sock.setblocking(False)
+                conn = AnyioInbound(self, sock)
+                self._inbound.add(conn)
+                tg.start_soon(self._read, conn)
+        except anyio.ClosedResourceError:
+            pass
+        tg.cancel_scope.cancel()
+
+    async def _read(self, conn: AnyioInbound) -> None:
+        reader, sock = conn.reader, conn.sock
+        try:
+            while not reader.stopped:
+                await anyio.wait_readable(sock)
+                try:
+                    n = sock.recv_into(reader.get_buffer())
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    n = 0
+                if n == 0:  # the peer closed its end
+                    self._inbound.discard(conn)
+                    conn.abort()
+                    return
+                try:
+                    reader.buffer_updated(n)
+                except BadStream as exc:
+                    log.warning("dropping an inbound connection: %s", exc)
+                    self._inbound.discard(conn)
+                    conn.abort()
+                    return
+        except anyio.ClosedResourceError:
+            pass
+
+    # -- the rest --------------------------------------------------------------------
+
+    def statistics(self) -> TransportStats:
+        return TransportStats(
+            frames_sent=self._sent,
+            frames_received=self._received,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received,
+            peers=len(self._links),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # A closed asyncio loop has closed its transports and ended its tasks already.
+        loop_alive = self._loop is None or not self._loop.is_closed()
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            if loop_alive:
+                link.close(drop=False)
+            else:
+                link.closed = True
+        inbound, self._inbound = list(self._inbound), set()
+        self._backlog.clear()
+        if loop_alive:
+            for conn in inbound:
+                conn.abort()
+            if self._server is not None:
+                self._server.close()
+        if self._server is None:
+            notify_closing_quietly(self._lsock)
+        self._lsock.close()
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+        if self._wake_serve is not None and loop_alive:
+            self._wake_serve()

@@ -1,0 +1,267 @@
+"""The stream transport's wire: its addresses, its framing, and a blocking sender.
+
+A frame travels as a 4-byte little-endian length followed by the frame's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ._nng import ipc_dir
+
+__all__ = [
+    "HEADER",
+    "HLEN",
+    "MAX_SIZE",
+    "NOSIGNAL",
+    "PREFIX",
+    "BadStream",
+    "Buf",
+    "Reader",
+    "SockAddr",
+    "StreamBeat",
+    "byte_view",
+    "fresh_address",
+    "is_stream_address",
+    "nbytes",
+    "owned",
+    "parse_address",
+    "tail",
+]
+
+PREFIX = "stream+"
+HEADER = struct.Struct("<I")
+HLEN = HEADER.size
+#: The largest frame the length can describe.
+MAX_SIZE = 2**32 - 1
+#: Inbound: frames up to this size are cut out of a per-connection buffer of
+#: ``CHUNK`` bytes (one copy, into ``bytes``); larger ones are read straight into a
+#: ``bytearray`` of their own.
+CHUNK = 64 * 1024
+SMALL = 16 * 1024
+#: Outbound: buffered frames up to this size are joined into one ``bytes``.
+JOIN_MAX = 64 * 1024
+NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+Buf = bytes | memoryview
+SockAddr = str | tuple[Any, ...]
+
+
+# -- addresses ---------------------------------------------------------------------------
+
+
+def is_stream_address(addr: str) -> bool:
+    """Whether ``addr`` is one of this transport's addresses."""
+    return addr.startswith(PREFIX)
+
+
+def parse_address(addr: str) -> tuple[int, SockAddr]:
+    """The socket family and socket address that ``addr`` names.
+
+    Raises:
+        ValueError: ``addr`` is not a stream transport address.
+    """
+    scheme, sep, rest = addr.partition("://")
+    if sep and scheme == PREFIX + "abstract" and rest:
+        return socket.AF_UNIX, "\0" + rest
+    if sep and scheme == PREFIX + "ipc" and rest:
+        return socket.AF_UNIX, rest
+    if sep and scheme == PREFIX + "tcp":
+        host, _, port = rest.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            return socket.AF_INET6, (host[1:-1], int(port))
+        if host and port.isdigit():
+            return socket.AF_INET, (host, int(port))
+    raise ValueError(
+        f"{addr!r} is not a stream transport address "
+        "(stream+abstract://NAME, stream+ipc:///PATH, stream+tcp://HOST:PORT)"
+    )
+
+
+def fresh_address(scheme: str, host: str = "127.0.0.1") -> str:
+    """A new address of ``scheme`` that nobody listens on (tcp: port 0)."""
+    name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    if scheme == "abstract":
+        return f"{PREFIX}abstract://{name}"
+    if scheme == "ipc":
+        return f"{PREFIX}ipc://{os.path.join(ipc_dir(), name)}.sock"
+    if scheme == "tcp":
+        return f"{PREFIX}tcp://[{host}]:0" if ":" in host else f"{PREFIX}tcp://{host}:0"
+    raise ValueError(f"unknown transport scheme {scheme!r} (abstract, ipc, tcp, auto)")
+
+
+# -- frames as buffers ---------------------------------------------------------------------
+
+
+def byte_view(part: Any) -> Buf:
+    """``part`` as bytes or a flat memoryview of unsigned bytes."""
+    view = memoryview(part)
+    if not view.c_contiguous:
+        return view.tobytes()
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def owned(bufs: list[Buf], size: int) -> list[Buf]:
+    """Buffers with the content of ``bufs`` that nobody else can change: small frames
+    joined into one bytes, else bytes (and views of bytes) kept and the rest copied."""
+    if size <= JOIN_MAX:
+        return [b"".join(bufs)]
+    return [
+        b if isinstance(b, bytes) or isinstance(b.obj, bytes) else b.tobytes()
+        for b in bufs
+        if len(b)
+    ]
+
+
+def tail(bufs: list[Buf], n: int) -> list[Buf]:
+    """What is left of ``bufs`` once their first ``n`` bytes are written."""
+    for i, b in enumerate(bufs):
+        if n < len(b):
+            first = memoryview(b)[n:] if n else b
+            return [first, *bufs[i + 1 :]]
+        n -= len(b)
+    return []
+
+
+def nbytes(bufs: list[Buf]) -> int:
+    return sum(len(b) for b in bufs)
+
+
+class BadStream(Exception):
+    """A peer announced a frame larger than this transport accepts."""
+
+
+class Reader:
+    """Cuts one connection's byte stream into frames and hands each to ``emit``.
+
+    Feed it like a :class:`asyncio.BufferedProtocol`: read into :meth:`get_buffer`,
+    then report the count to :meth:`buffer_updated`. Small frames are copied out of a
+    reusable buffer; a large one gets a ``bytearray`` of its own that the socket reads
+    into directly. No delivered frame's memory is ever reused.
+    """
+
+    __slots__ = ("_big", "_buf", "_emit", "_end", "_filled", "_max", "_start", "_view", "stopped")
+
+    def __init__(self, max_frame: int, emit: Callable[[Buf], None]) -> None:
+        self._buf = bytearray(CHUNK)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._big: memoryview | None = None
+        self._filled = 0
+        self._max = max_frame
+        self._emit = emit
+        #: Set when the connection is gone: emit no more frames.
+        self.stopped = False
+
+    def get_buffer(self) -> memoryview:
+        if self._big is not None:
+            return self._big[self._filled :]
+        return self._view[self._end :]
+
+    def buffer_updated(self, n: int) -> None:
+        """Account ``n`` bytes read into the buffer; emit the frames they complete.
+
+        Raises:
+            BadStream: a frame's length is above ``max_frame``.
+        """
+        big = self._big
+        if big is not None:
+            self._filled += n
+            if self._filled == len(big):
+                self._big = None
+                self._emit(big)
+            return
+        self._end += n
+        self._parse()
+
+    def _parse(self) -> None:
+        view, pos, end = self._view, self._start, self._end
+        while end - pos >= HLEN:
+            (size,) = HEADER.unpack_from(view, pos)
+            if size > self._max:
+                raise BadStream(f"peer sent a frame of {size} bytes (max_frame {self._max})")
+            stop = pos + HLEN + size
+            if stop <= end:
+                frame = bytes(view[pos + HLEN : stop])
+                pos = self._start = stop
+                self._emit(frame)
+                if self.stopped:
+                    return
+            elif size > SMALL:
+                big = memoryview(bytearray(size))
+                have = end - pos - HLEN
+                big[:have] = view[pos + HLEN : end]
+                self._big, self._filled = big, have
+                self._start = self._end = 0
+                return
+            else:
+                break
+        if pos == end:
+            self._start = self._end = 0
+        elif len(view) - pos < SMALL + HLEN:
+            # Make room for the rest of the incomplete (small) frame.
+            rest = bytes(view[pos:end])
+            view[: len(rest)] = rest
+            self._start, self._end = 0, len(rest)
+
+
+# -- heartbeats from a plain thread --------------------------------------------------------
+
+
+class StreamBeat:
+    """Sends small frames to a stream address from a plain thread, never blocking long.
+
+    Connects on the first send and after a failure (waiting at most ``timeout``
+    seconds); a frame the connection cannot take at once is dropped.
+
+    Args:
+        addr: a stream transport address.
+        timeout: the longest a connect may take, in seconds.
+    """
+
+    def __init__(self, addr: str, timeout: float = 1.0) -> None:
+        self._family, self._sockaddr = parse_address(addr)
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+        self._rest = b""
+
+    def send(self, frame: bytes) -> bool:
+        """Send ``frame``; False when it was dropped (no connection, or a full one)."""
+        try:
+            sock = self._sock or self._connect()
+            if self._rest:  # finish the last frame first, or the stream is garbage
+                self._rest = self._rest[sock.send(self._rest, NOSIGNAL) :]
+                if self._rest:
+                    return False
+            data = HEADER.pack(len(frame)) + frame
+            self._rest = data[sock.send(data, NOSIGNAL) :]
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            self.close()
+            return False
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._timeout)
+            sock.connect(self._sockaddr)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock, self._rest = sock, b""
+        return sock
+
+    def close(self) -> None:
+        """Close the connection (a later :meth:`send` connects again)."""
+        sock, self._sock = self._sock, None
+        self._rest = b""
+        if sock is not None:
+            sock.close()

@@ -1,0 +1,315 @@
+"""Where workers come from: a zygote forks them (or, with AMESH_ZYGOTE=0, exec)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import amesh
+from amesh import Failure, ProcMesh, SupervisionError
+from amesh.testing import child_pids
+
+from .actors import Counter, Mortal
+from .test_lifecycle import wait_pid_gone
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def zygote_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the zygote, whatever AMESH_ZYGOTE the suite runs with."""
+    monkeypatch.delenv("AMESH_ZYGOTE", raising=False)
+
+
+def _facts(_: object) -> dict[str, Any]:
+    """What a worker knows about where it came from (run in the worker)."""
+    return {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "cwd": os.getcwd(),
+        "path": list(sys.path),
+        "env": dict(os.environ),
+        "optimize": sys.flags.optimize,
+    }
+
+
+async def facts(procs: ProcMesh) -> list[dict[str, Any]]:
+    c = await procs.spawn("facts", Counter)
+    return (await c.apply.call(_facts, None)).values()
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def cmdline_of(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+async def test_workers_are_forked_by_one_single_threaded_zygote() -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 3}) as procs:
+            seen = await facts(procs)
+            zygote = seen[0]["ppid"]
+            assert [s["ppid"] for s in seen] == [zygote] * 3
+            assert [s["pid"] for s in seen] == procs.pids
+            # the zygote is this process's child; the workers are its children
+            assert zygote != os.getpid() and zygote in child_pids()
+            assert child_pids(zygote) >= set(procs.pids)
+            assert "amesh._hosts._zygote" in cmdline_of(zygote)
+            assert threads_of(zygote) == 1
+            # a terminal's Ctrl-C reaches the zygote too; it is the controller's to act on
+            os.kill(zygote, signal.SIGINT)
+            async with ProcMesh(per_host={"procs": 2}) as more:  # the same runtime
+                assert [s["ppid"] for s in await facts(more)] == [zygote] * 2
+            assert threads_of(zygote) == 1
+            pids = procs.pids
+        assert wait_pid_gone(zygote, 0), "the zygote outlived its runtime"
+        assert all(wait_pid_gone(pid, 0) for pid in pids)
+        assert zygote not in child_pids()
+
+
+async def test_environment_cwd_and_path_are_the_controllers_at_each_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AMESH_TEST_EARLY", "early")
+    monkeypatch.setenv("AMESH_TEST_GONE", "gone")
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as first:
+            [before] = await facts(first)
+            assert before["env"]["AMESH_TEST_GONE"] == "gone"
+            # changed after the zygote started: the next workers still see it
+            monkeypatch.setenv("AMESH_TEST_LATE", "late")
+            monkeypatch.delenv("AMESH_TEST_GONE")
+            monkeypatch.chdir(tmp_path)
+            monkeypatch.syspath_prepend(str(tmp_path))
+            env = {"CUDA_VISIBLE_DEVICES": "3", "AMESH_TEST_EARLY": "mine"}
+            async with ProcMesh(per_host={"procs": 2}, env=env) as second:
+                after = await facts(second)
+        for worker in after:
+            assert worker["ppid"] == before["ppid"]  # forked by the same zygote
+            assert worker["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+            assert worker["env"]["AMESH_TEST_EARLY"] == "mine"
+            assert worker["env"]["AMESH_TEST_LATE"] == "late"
+            assert "AMESH_TEST_GONE" not in worker["env"]
+            assert "AMESH_BOOTSTRAP" not in worker["env"]
+            assert not any(k.startswith("AMESH_ZYGOTE") for k in worker["env"])
+            assert worker["cwd"] == str(tmp_path)
+            assert worker["path"] == sys.path
+
+
+async def test_a_worker_with_other_interpreter_settings_is_execd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PYTHON* variables take effect at interpreter start, which a fork skips."""
+    monkeypatch.delenv("PYTHONOPTIMIZE", raising=False)
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as forked:
+            [zygote_child] = await facts(forked)
+            async with ProcMesh(per_host={"procs": 1}, env={"PYTHONOPTIMIZE": "1"}) as execd:
+                [fresh] = await facts(execd)
+        assert zygote_child["ppid"] != os.getpid()
+        assert fresh["ppid"] == os.getpid()
+        assert (zygote_child["optimize"], fresh["optimize"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("how", "exit_code", "signo"),
+    [
+        ("sigkill", None, signal.SIGKILL),
+        ("sigterm", None, signal.SIGTERM),
+        ("exit", 3, None),
+        ("segv", None, signal.SIGSEGV),
+    ],
+)
+async def test_exit_codes_and_signals_are_reported(
+    how: str, exit_code: int | None, signo: int | None
+) -> None:
+    failures: list[Failure] = []
+    seen = anyio.Event()
+
+    def supervise(failure: Failure) -> bool:
+        failures.append(failure)
+        seen.set()
+        return True
+
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}, supervise=supervise) as procs:
+            m = await procs.spawn("m", Mortal)
+            victim = procs.pids[1]
+            handle = procs._live().procs[1]
+            if how == "sigkill":
+                os.kill(victim, signal.SIGKILL)
+            elif how == "sigterm":
+                handle.process.terminate()
+            else:
+                with pytest.raises(SupervisionError):
+                    await m.slice(procs=1).die.call_one(how)
+            await seen.wait()
+            assert handle.returncode == (exit_code if exit_code is not None else -(signo or 0))
+            handle.process.kill()  # after the exit: reaches nothing, raises nothing
+            assert (await m.slice(procs=0).bump.call_one())[1] == 1
+        [failure] = failures
+        assert (failure.rank, failure.pid) == (1, victim)
+        assert (failure.exit_code, failure.signal) == (exit_code, signo)
+        if signo is not None:
+            assert f"was killed by {signal.Signals(signo).name}" in failure.cause
+        else:
+            assert f"exited with code {exit_code}" in failure.cause
+
+
+async def test_a_dead_zygote_takes_its_workers_and_later_workers_are_execd() -> None:
+    failures: list[Failure] = []
+    all_seen = anyio.Event()
+
+    def supervise(failure: Failure) -> bool:
+        failures.append(failure)
+        if len(failures) == 2:
+            all_seen.set()
+        return True
+
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}, supervise=supervise) as procs:
+            seen = await facts(procs)
+            zygote = seen[0]["ppid"]
+            assert zygote != os.getpid() and zygote in child_pids()
+            os.kill(zygote, signal.SIGKILL)
+            await all_seen.wait()
+            assert sorted(f.rank for f in failures) == [0, 1]
+            assert all("was killed by SIGKILL" in f.cause for f in failures)
+            assert all(wait_pid_gone(s["pid"], 10) for s in seen)
+            assert zygote not in child_pids()  # reaped
+            async with ProcMesh(per_host={"procs": 1}) as later:
+                [fresh] = await facts(later)
+                assert fresh["ppid"] == os.getpid()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
+async def test_cancelled_while_starting_leaves_nothing(delay: float) -> None:
+    with anyio.fail_after(60):
+        with anyio.move_on_after(delay):
+            async with ProcMesh(per_host={"procs": 4}) as procs:
+                await procs.spawn("c", Counter)
+    # the autouse leak check sees no zygote and no worker here
+
+
+async def test_exec_path_without_the_zygote(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMESH_ZYGOTE", "0")
+    failures: list[Failure] = []
+    seen = anyio.Event()
+
+    def supervise(failure: Failure) -> bool:
+        failures.append(failure)
+        seen.set()
+        return True
+
+    with anyio.fail_after(60):
+        async with ProcMesh(
+            per_host={"procs": 2}, env={"AMESH_TEST_VAR": "x"}, supervise=supervise
+        ) as procs:
+            seen_facts = await facts(procs)
+            assert [s["ppid"] for s in seen_facts] == [os.getpid()] * 2
+            assert [s["env"]["AMESH_TEST_VAR"] for s in seen_facts] == ["x", "x"]
+            assert child_pids() >= set(procs.pids)
+            os.kill(procs.pids[0], signal.SIGKILL)
+            await seen.wait()
+        assert "was killed by SIGKILL" in failures[0].cause
+        assert failures[0].signal == signal.SIGKILL
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_zygote_lives_as_long_as_amesh_run(backend: str) -> None:
+    """A mesh owned by the controller (``await ProcMesh``) stops before the zygote."""
+
+    async def main() -> tuple[int, list[int]]:
+        procs = await ProcMesh(per_host={"procs": 2})
+        c = await procs.spawn("c", Counter)
+        assert (await c.incr.call()).values() == [1, 1]
+        seen = await facts(procs)
+        return seen[0]["ppid"], procs.pids
+
+    zygote, pids = amesh.run(main, backend=backend)
+    assert zygote != os.getpid()
+    assert wait_pid_gone(zygote, 0)
+    assert all(wait_pid_gone(pid, 0) for pid in pids)
+
+
+_CONTROLLER = """
+import os, signal, sys, anyio, amesh
+from amesh import Actor, ProcMesh, endpoint
+
+class Idle(Actor):
+    @endpoint
+    def ppid(self) -> int:
+        return os.getppid()
+
+async def main() -> None:
+    async with ProcMesh(per_host={"procs": 3}) as procs:
+        idle = await procs.spawn("idle", Idle)
+        zygote = (await idle.ppid.call()).values()[0]
+        assert zygote != os.getpid(), "the workers were not forked by a zygote"
+        if sys.argv[2] == "stop-zygote":
+            # the workers must go on their own: through the lifeline pipe
+            os.kill(zygote, signal.SIGSTOP)
+        print(zygote, " ".join(map(str, procs.pids)), flush=True)
+        await anyio.sleep_forever()
+
+amesh.run(main, backend=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("zygote_state", ["running", "stop-zygote"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_controller_sigkilled_takes_zygote_and_workers(
+    tmp_path: Path, backend: str, zygote_state: str
+) -> None:
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(_CONTROLLER))
+    ctl = subprocess.Popen(
+        [sys.executable, str(script), backend, zygote_state],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert ctl.stdout is not None
+        assert select.select([ctl.stdout], [], [], 60)[0], "the controller did not start"
+        zygote, *pids = (int(p) for p in ctl.stdout.readline().split())
+        assert len(pids) == 3
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=30)
+        for pid in pids:
+            assert wait_pid_gone(pid, 10), f"worker {pid} outlived its controller"
+        assert wait_pid_gone(zygote, 10), "the zygote outlived its controller"
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
+        if ctl.stdout is not None:
+            ctl.stdout.close()
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "exec"])
+async def test_parent_death_signal_only_where_the_forking_thread_lives_on(
+    anyio_backend: tuple[str, dict[str, object]], zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's parent-death signal follows the thread that forked, not the process.
+    The zygote forks from its only thread, so its workers always ask for it. A worker
+    exec'd under trio comes from a cached thread that exits after 10 s idle: it must rely
+    on its stdin pipe alone, or it would die 10 s after start."""
+    if not zygote:
+        monkeypatch.setenv("AMESH_ZYGOTE", "0")
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            stats = (await procs.statistics()).values()[0]
+            trio_exec = anyio_backend[0] == "trio" and not zygote
+            assert stats["parent_death_signal"] == (0 if trio_exec else signal.SIGKILL)
