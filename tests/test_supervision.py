@@ -258,3 +258,17 @@ async def test_stopped_process_is_declared_failed_by_heartbeat() -> None:
         failure = info.value.failures[0]
         assert failure.pid == victim and "timeout 2 s" in failure.cause
         assert wait_pid_gone(victim, 10)
+
+
+async def test_remote_error_racing_a_death_is_reported_as_the_death() -> None:
+    """A process dies and, before the owner has noticed, an endpoint error escapes the
+    scope (as a peer's failed collective would): the scope raises the supervision
+    failure, with the remote error as its cause when it came first."""
+    with anyio.fail_after(60):
+        with pytest.raises(SupervisionError) as info:
+            async with ProcMesh(per_host={"procs": 2}) as procs:
+                c = await procs.spawn("c", Counter)
+                os.kill(procs.pids[1], signal.SIGKILL)
+                await c.slice(procs=0).fail.call_one("a consequence")
+    assert [f.rank for f in info.value.failures] == [1]
+    assert info.value.__cause__ is None or "a consequence" in str(info.value.__cause__)

@@ -80,6 +80,23 @@ def default_transport() -> tuple[str, str]:
     return scheme, host
 
 
+def _pid_alive(pid: int) -> bool:
+    """False once ``pid`` has exited (gone, or a zombie not reaped yet); Linux /proc.
+
+    Pids beyond any kernel's ``pid_max`` (in-process test workers) count as alive.
+    """
+    if pid >= 1 << 22:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True  # no /proc: assume alive, the watchers will tell
+    return state not in ("Z", "X")
+
+
 def default_fanout() -> int:
     """``AMESH_FANOUT`` (default 16; 0: no relay tree)."""
     raw = os.environ.get("AMESH_FANOUT", "16")
@@ -116,6 +133,9 @@ class _State:
         self.spawned: dict[str, _Spawned] = {}
         self.unhandled: list[Failure] = []
         self.handled: list[Failure] = []
+        #: pids whose failure went through _escalate, and who waits for the next one
+        self.escalated: set[int | None] = set()
+        self.escalation: anyio.Event | None = None
         self.closing = False
         self.closed = anyio.Event()
         self.restarting = 0
@@ -377,6 +397,14 @@ class ProcMesh(MeshView):
         st.tg.start_soon(self._escalate, st, failure)
 
     async def _escalate(self, st: _State, failure: Failure) -> None:
+        try:
+            await self._escalate_to_owner(st, failure)
+        finally:
+            st.escalated.add(failure.pid)
+            if st.escalation is not None:
+                st.escalation.set()
+
+    async def _escalate_to_owner(self, st: _State, failure: Failure) -> None:
         if self._supervise is not None:
             handled = await call_supervisor(self._supervise, failure)
         elif self._owner is not None:
@@ -486,18 +514,41 @@ class ProcMesh(MeshView):
         st = self._state
         stack = self._stack
         assert st is not None and stack is not None
+        remote = isinstance(exc, ActorError)
         with anyio.CancelScope(shield=True):
+            if remote:
+                await self._settle(st)
             await self._shutdown(st)
         passed = pass_cancellation(exc_type, exc, tb)
         suppressed = bool(await stack.__aexit__(*passed)) and passed[1] is not None
-        if st.unhandled and (exc is None or suppressed or is_supervision(exc)):
+        if st.unhandled and (exc is None or suppressed or remote or is_supervision(exc)):
+            # An endpoint's error that escapes while a process of the mesh is dead is
+            # most often its consequence (a collective whose peer died): the failure
+            # is what the owner must see, with the error as its cause.
             failures = list(st.unhandled)
-            raise SupervisionError(
+            error = SupervisionError(
                 f"{len(failures)} supervision failure(s) in ProcMesh {self.sizes}: "
                 + "; ".join(str(f).splitlines()[0] for f in failures),
                 failures,
             )
+            if remote:
+                raise error from exc
+            raise error
         return suppressed
+
+    async def _settle(self, st: _State) -> None:
+        """Let the deaths that already happened be noticed and escalated (bounded).
+
+        A remote error can beat the news of the death that caused it: a peer's
+        collective fails as soon as the kernel closes the dead process's sockets.
+        """
+        gone = [
+            p for p in st.procs if p.failed or p.returncode is not None or not _pid_alive(p.pid)
+        ]
+        with anyio.move_on_after(FAILED_STOP_TIMEOUT):
+            while any(p.pid not in st.escalated for p in gone):
+                st.escalation = anyio.Event()
+                await st.escalation.wait()
 
     async def stop(self) -> None:
         """Stop every actor and process of this mesh (idempotent).
