@@ -11,6 +11,12 @@ off its nearest live ancestor). A mesh of at most ``f`` processes is reached dir
 A relay gathers the replies of its subtree and sends them up in one
 :class:`~amesh._wire.Gathered` when the subtree is complete, and at once when one is
 an error (fail fast), so the sender gets O(fan-out) frames per call.
+
+A relay that dies takes with it what it had not forwarded or sent up yet. For a call,
+the sender fails the ranks behind it at once (as a failure of the relay's rank only)
+and tells the relays above to stop waiting for them. A broadcast it had not forwarded
+is lost for its subtree: the relay's own death is reported to the owner, but the
+ranks below it are not told that they missed a message.
 """
 
 from __future__ import annotations
