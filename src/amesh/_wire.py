@@ -38,11 +38,13 @@ __all__ = [
     "Relay",
     "Reply",
     "Frame",
+    "addressed",
     "decode",
     "encode",
     "frame_size",
     "join",
     "pack",
+    "payload_size",
     "unpack",
 ]
 
@@ -127,6 +129,28 @@ class Relay(msgspec.Struct, tag="relay", array_like=True):
     reply_to: str
     reply_id: int
     nodes: list[tuple[str, int, int]]
+
+
+def addressed(req: Relay, rank: int, nodes: list[tuple[str, int, int]]) -> Call | Cast | Relay:
+    """``req`` as sent to one receiver: ``rank`` there, and a :class:`Relay` only when
+    the receiver has a subtree ``nodes`` to pass it to; else a plain :class:`Call` (a
+    ``reply_to`` is set) or :class:`Cast`."""
+    if nodes:
+        return msgspec.structs.replace(req, rank=rank, nodes=nodes)
+    if req.reply_to:
+        return Call(
+            req.sender, req.call_id, rank, req.actor, req.method, req.labels, req.sizes,
+            req.payload, req.chain, req.buffers, req.reply_to, req.reply_id,
+        )  # fmt: skip
+    return Cast(
+        req.sender, req.call_id, rank, req.actor, req.method, req.labels, req.sizes,
+        req.payload, req.buffers,
+    )  # fmt: skip
+
+
+def payload_size(env: Call | Cast) -> int:
+    """Bytes of a request's payload: its pickle and out-of-band buffers."""
+    return len(env.payload) + sum(env.buffers)
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):

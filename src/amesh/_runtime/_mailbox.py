@@ -140,11 +140,6 @@ class ActorInstance:
             self._wakeup = None
             wakeup.set()
 
-    @property
-    def queued(self) -> int:
-        """Messages waiting in the mailbox."""
-        return len(self._queue)
-
     async def _next(self) -> _Request | None:
         queue = self._queue
         while not queue:
@@ -182,7 +177,7 @@ class ActorInstance:
             env, buffers = item
             key = (env.sender, env.call_id)
             if isinstance(env, _wire.Cast):
-                rt.taken(env.sender, self.key, sum(env.buffers) + len(env.payload))
+                rt.taken(env.sender, self.key, _wire.payload_size(env))
             # The request counts as queued until its handler registers as running, so
             # a cancel in between (waiting for the serial handler, or for its task to
             # start) is not lost: the handler sees it and does not run.

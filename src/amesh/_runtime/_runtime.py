@@ -184,7 +184,7 @@ class Runtime:
         #: flow control, sending side: (address, actor) -> [messages, bytes] in flight
         self.window, self.window_bytes = send_window()
         self._out: dict[tuple[str, str], list[int]] = {}
-        self._credit_waiters: dict[tuple[str, str], anyio.Event] = {}
+        self._credit_waiters: dict[tuple[str, str], Any] = {}
         self._credit_waits = 0
         #: receiving side: (sender, actor) -> [messages, bytes] taken, not yet credited
         self._taken: dict[tuple[str, str], list[int]] = {}
@@ -296,7 +296,7 @@ class Runtime:
             self._credit_waits += 1
             event = self._credit_waiters.get(key)
             if event is None:
-                event = self._credit_waiters[key] = anyio.Event()
+                event = self._credit_waiters[key] = self.new_event()
             await event.wait()
             out = self._out.setdefault(key, [0, 0])
         out[0] += 1
@@ -404,28 +404,25 @@ class Runtime:
             return
         data, lengths, parts = _wire.pack(payload.data, payload.buffers)
         call_id = pending.call_id
-        heads: list[tuple[str, int, Nodes]]
-        if tree is None:
-            heads = [(addr, rank, []) for rank, addr in pending.targets.items()]
-        else:
-            slots = {r: tree.slots[r] for r in pending.targets}
-            route = plan(slots, tree.procs, tree.fanout, self.dead)
-            heads = route.heads
-            pending.relays, pending.via = route.relays, route.via
-        for addr, rank, nodes in heads:
-            env: _wire.Envelope
-            if nodes:
-                env = _wire.Relay(
-                    self.address, call_id, rank, pending.actor, method, labels, sizes, data,
-                    chain, lengths, self.address, call_id, nodes,
-                )  # fmt: skip
-            else:
-                env = _wire.Call(
-                    self.address, call_id, rank, pending.actor, method, labels, sizes, data,
-                    chain, lengths,
-                )  # fmt: skip
-            await self.send_frame(addr, env, parts)
+        req = _wire.Relay(
+            self.address, call_id, -1, pending.actor, method, labels, sizes, data, chain,
+            lengths, self.address, call_id, [],
+        )  # fmt: skip
+        for addr, rank, nodes in self._heads(pending.targets, tree, pending):
+            await self.send_frame(addr, _wire.addressed(req, rank, nodes), parts)
             self._calls_sent += 1
+
+    def _heads(
+        self, targets: dict[int, str], tree: Tree | None, pending: Pending | None = None
+    ) -> list[tuple[str, int, Nodes]]:
+        """Where a message to ``targets`` goes first: each rank directly, or the heads
+        of the relay tree with their subtrees (recorded in ``pending`` for a call)."""
+        if tree is None:
+            return [(addr, rank, []) for rank, addr in targets.items()]
+        route = plan({r: tree.slots[r] for r in targets}, tree.procs, tree.fanout, self.dead)
+        if pending is not None:
+            pending.relays, pending.via = route.relays, route.via
+        return route.heads
 
     def _fail_rank(self, pending: Pending, rank: int, addr: str, why: Failure) -> None:
         if rank in pending.targets:
@@ -452,24 +449,12 @@ class Runtime:
         nbytes = payload.nbytes
         for addr in targets.values():
             await self._acquire(addr, actor, nbytes)
-        heads: list[tuple[str, int, Nodes]]
-        if tree is None:
-            heads = [(addr, rank, []) for rank, addr in targets.items()]
-        else:
-            slots = {r: tree.slots[r] for r in targets}
-            heads = plan(slots, tree.procs, tree.fanout, self.dead).heads
-        for addr, rank, nodes in heads:
-            env: _wire.Envelope
-            if nodes:
-                env = _wire.Relay(
-                    self.address, call_id, rank, actor, method, labels, sizes, data, [],
-                    lengths, "", 0, nodes,
-                )  # fmt: skip
-            else:
-                env = _wire.Cast(
-                    self.address, call_id, rank, actor, method, labels, sizes, data, lengths
-                )
-            await self.send_frame(addr, env, parts)
+        req = _wire.Relay(
+            self.address, call_id, -1, actor, method, labels, sizes, data, [], lengths, "", 0,
+            [],
+        )  # fmt: skip
+        for addr, rank, nodes in self._heads(targets, tree):
+            await self.send_frame(addr, _wire.addressed(req, rank, nodes), parts)
 
     # -- failure of peers -------------------------------------------------------------
 
@@ -640,7 +625,7 @@ class Runtime:
         inst = self.actors.get(env.actor)
         if inst is None:
             if isinstance(env, _wire.Cast):
-                self.taken(env.sender, env.actor, sum(env.buffers) + len(env.payload))
+                self.taken(env.sender, env.actor, _wire.payload_size(env))
             if isinstance(env, _wire.Call):
                 self._try_reply_error(
                     env.reply_to or env.sender,
@@ -652,7 +637,7 @@ class Runtime:
             return
         if inst.failed is not None:
             if isinstance(env, _wire.Cast):
-                self.taken(env.sender, env.actor, sum(env.buffers) + len(env.payload))
+                self.taken(env.sender, env.actor, _wire.payload_size(env))
             self._tg.start_soon(inst.refuse, env)
             return
         if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
@@ -663,46 +648,20 @@ class Runtime:
     def _relay(self, env: _wire.Relay, buffers: list[Any]) -> None:
         """Run a relayed message here (if we are a target) and pass it down the tree."""
         self._relayed += 1
-        gid = 0
-        call = bool(env.reply_to)
-        if call:
+        if env.reply_to:  # a call
             gid = self.next_id()
             key = (env.sender, env.call_id)
             self.gathers[gid] = Gather(
                 key, env.reply_to, env.reply_id, ranks_of(env.rank, env.nodes)
             )
             self._gather_ids[key] = gid
-        up = self.address if call else ""
+            # replies from below come here, to be gathered
+            env = msgspec.structs.replace(env, reply_to=self.address, reply_id=gid)
         for addr, rank, nodes in split(env.nodes):
-            child: _wire.Envelope
-            if nodes:
-                child = _wire.Relay(
-                    env.sender, env.call_id, rank, env.actor, env.method, env.labels,
-                    env.sizes, env.payload, env.chain, env.buffers, up, gid, nodes,
-                )  # fmt: skip
-            elif call:
-                child = _wire.Call(
-                    env.sender, env.call_id, rank, env.actor, env.method, env.labels,
-                    env.sizes, env.payload, env.chain, env.buffers, up, gid,
-                )  # fmt: skip
-            else:
-                child = _wire.Cast(
-                    env.sender, env.call_id, rank, env.actor, env.method, env.labels,
-                    env.sizes, env.payload, env.buffers,
-                )  # fmt: skip
-            self.send_frame_nowait(addr, child, buffers)
+            self.send_frame_nowait(addr, _wire.addressed(env, rank, nodes), buffers)
         if env.rank >= 0:
-            local: _wire.Call | _wire.Cast
-            if call:
-                local = _wire.Call(
-                    env.sender, env.call_id, env.rank, env.actor, env.method, env.labels,
-                    env.sizes, env.payload, env.chain, env.buffers, up, gid,
-                )  # fmt: skip
-            else:
-                local = _wire.Cast(
-                    env.sender, env.call_id, env.rank, env.actor, env.method, env.labels,
-                    env.sizes, env.payload, env.buffers,
-                )  # fmt: skip
+            local = _wire.addressed(env, env.rank, [])
+            assert not isinstance(local, _wire.Relay)
             self._accept(local, buffers)
 
     def _send_up(self, gid: int, gather: Gather) -> None:
