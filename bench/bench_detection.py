@@ -26,8 +26,9 @@ and the monitor checks once per period. Figures move by tens of percent on a bus
 
 ``--json`` prints ``{"backend", "sigkill": {series: {"n", "median_ms", "p90_ms",
 "max_ms"}}, "sigstop": [{"timeout_s", "n", "median_ms", "max_ms", "median_ratio",
-"max_ratio"}]}`` with series ``call_restart``, ``restart_ready``, ``call_supervise`` and
-``supervise_callable``.
+"max_ratio"}]}`` with series ``call_restart``, ``restart_ready``, ``call_supervise``,
+``supervise_callable`` and ``call_non_owner`` (an actor of another mesh, handed the
+sleepers, waits on rank 1: the time until its call raises, in its own process).
 
 Usage::
 
@@ -108,6 +109,47 @@ async def signal_during_call(
     if expect not in str(exc):
         raise RuntimeError(f"expected {expect!r} in the error, got: {exc}")
     return t0, t1
+
+
+class Proxy(Actor):
+    """Calls a mesh it was handed but does not own (a non-owner caller)."""
+
+    @endpoint(concurrent=True)
+    async def call_hang(self, other: ActorMesh[Sleeper]) -> float:
+        """``time.perf_counter()`` when the call to ``other`` raised SupervisionError
+        (CLOCK_MONOTONIC on Linux: comparable across processes)."""
+        try:
+            await other.hang.call_one()
+        except SupervisionError:
+            return time.perf_counter()
+        raise RuntimeError("the call returned")
+
+
+async def sigkill_non_owner(trials: int) -> list[float]:
+    """Kill rank 1 ``trials`` times while an actor of another mesh (not the owner)
+    waits on it: how long until that actor's call raises."""
+    times: list[float] = []
+    policy = RestartPolicy("one_for_one", max_restarts=trials + 1, within=3600)
+    async with ProcMesh(per_host={"procs": 1}) as callers:
+        proxy = await callers.spawn("proxy", Proxy)
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            mesh = await procs.spawn("sleepers", Sleeper, restart=policy)
+            rank1 = mesh.slice(procs=1)
+            for _ in range(trials):
+                got: list[float] = []
+                with anyio.fail_after(TRIAL_TIMEOUT):
+
+                    async def call(got: list[float] = got) -> None:
+                        got.append(await proxy.call_hang.call_one(rank1))
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(call)
+                        await rank1.wait_hanging.call_one()
+                        t0 = time.perf_counter()
+                        os.kill(procs.pids[1], signal.SIGKILL)
+                    await procs.ready()
+                times.append(got[0] - t0)
+    return times
 
 
 async def sigkill_with_restart(trials: int) -> tuple[list[float], list[float]]:
@@ -208,6 +250,8 @@ async def run_all(trials: int, stop_trials: int, progress: bool) -> dict[str, An
 
     say(f"SIGKILL under a restart policy, {trials} trials ...")
     call_restart, restart_ready = await sigkill_with_restart(trials)
+    say(f"SIGKILL seen by a caller that is not the owner, {trials} trials ...")
+    call_non_owner = await sigkill_non_owner(trials)
     say(f"SIGKILL with a supervise= callable, {trials} fresh meshes ...")
     call_supervise, supervise_callable = await sigkill_with_supervise(trials)
     stops = []
@@ -231,6 +275,7 @@ async def run_all(trials: int, stop_trials: int, progress: bool) -> dict[str, An
             "restart_ready": summary(restart_ready),
             "call_supervise": summary(call_supervise),
             "supervise_callable": summary(supervise_callable),
+            "call_non_owner": summary(call_non_owner),
         },
         "sigstop": stops,
     }
@@ -241,6 +286,7 @@ LABELS = {
     "restart_ready": "kill -> procs.ready() (restarted)",
     "call_supervise": "call raises (fresh mesh, supervise=)",
     "supervise_callable": "supervise= callable called",
+    "call_non_owner": "call raises in a non-owner actor",
 }
 
 

@@ -60,21 +60,21 @@ async def test_window_counts_messages(monkeypatch: pytest.MonkeyPatch) -> None:
             gate = await procs.spawn("gate", Gate)
             rt = current_runtime()
             await sink.hold.broadcast()  # the actor is busy until opened
-            # The controller makes a loop event only to wait for a reply (none are
-            # pending here) or for credit: the first one made during the flood means
-            # the broadcaster is held back.
+            # The links make a loop event only to wait for credit: the first one made
+            # during the flood means the broadcaster is held back.
             blocked = anyio.Event()
-            make_event = rt.new_event
+            links = rt.links
+            make_event = links._new_event
 
             def new_event() -> Any:
                 blocked.set()
                 return make_event()
 
-            rt.new_event = new_event
+            links._new_event = new_event
             async with anyio.create_task_group() as tg:
                 tg.start_soon(flood, sink)
                 await blocked.wait()
-                rt.new_event = make_event
+                links._new_event = make_event
                 assert rt.statistics().credit_waits == 1
                 assert sent == 63  # the window of 64 is full: hold + 63 notes
                 await gate.open.call_one()

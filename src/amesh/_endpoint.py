@@ -205,12 +205,19 @@ class MeshEndpoint(Generic[R]):
         finally:
             await gen.aclose()
 
-    async def broadcast(self, *args: Any, **kwargs: Any) -> None:
+    async def broadcast(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
         """Send to every rank without waiting for results.
 
-        Returns once the messages are handed to the transport (back-pressure). An
+        Returns once the messages are handed to the transport (back-pressure: it
+        waits while a rank has a full window of this sender's broadcasts unread). An
         exception in the endpoint is a supervision failure reported to the owner.
+
+        Raises:
+            TimeoutError: flow control held the broadcast for ``timeout`` seconds;
+                ranks already handed the message keep it.
+            SupervisionError: a rank of the mesh is known to be dead.
         """
+        deadline = _deadline(timeout)
         payload = self._encode(args, kwargs)
         rt = current_runtime()
         mesh = self._mesh
@@ -223,4 +230,5 @@ class MeshEndpoint(Generic[R]):
             list(shape.sizes),
             payload,
             mesh._tree(),
+            deadline,
         )

@@ -71,6 +71,11 @@ EXIT_GRACE = 5.0
 #: dead (a collective), so politeness is cut short.
 FAILED_STOP_TIMEOUT = 1.0
 FAILED_EXIT_GRACE = 1.0
+#: A heartbeat monitor tick this much later than asked means this process's own loop
+#: stalled (and could hear nobody): worker silence is counted from after the stall.
+STALL_SLACK = 0.5
+#: How long a worker whose link broke may take to exit before it is killed.
+LINK_LOSS_GRACE = 1.0
 
 
 def default_transport() -> tuple[str, str]:
@@ -142,6 +147,16 @@ class _State:
         self.restarted = anyio.Event()
         self.restarts = 0
         self.window = RestartWindow()
+        #: set (and replaced) each time the heartbeat monitor has looked
+        self._ticked = anyio.Event()
+
+    def ticked(self) -> None:
+        self._ticked.set()
+        self._ticked = anyio.Event()
+
+    async def monitor_tick(self) -> None:
+        """Wait until the heartbeat monitor has looked at every worker once more."""
+        await self._ticked.wait()
 
 
 class ProcMesh(MeshView):
@@ -313,18 +328,24 @@ class ProcMesh(MeshView):
                         p.process.kill()
                         await p.stop(0)
             raise
-        handles = [p for p in procs if p is not None]
-        now = anyio.current_time()
-        for h in handles:
-            rt.heartbeats[h.addr] = now
-        return handles
+        return [p for p in procs if p is not None]
 
     async def _start(self, rt: Runtime, tg: TaskGroup) -> None:
         handles = await self._start_procs(rt, len(self._shape))
         st = self._state = _State(rt, tg, handles)
         for slot, handle in enumerate(handles):
-            tg.start_soon(self._watch, st, handle, slot)
+            self._supervise_proc(st, slot, handle)
         tg.start_soon(self._monitor_heartbeats, st)
+
+    def _supervise_proc(self, st: _State, slot: int, handle: ProcHandle) -> None:
+        """Watch ``handle``'s exit, heartbeats and link from now on."""
+
+        def link_lost(why: str) -> None:
+            if not (st.closing or handle.expected_exit or handle.failed):
+                st.tg.start_soon(self._confirm_lost, st, slot, handle, why)
+
+        st.runtime.peers.watch(handle.addr, link_lost, anyio.current_time())
+        st.tg.start_soon(self._watch, st, handle, slot)
 
     # -- failure detection ----------------------------------------------------------------
 
@@ -350,24 +371,57 @@ class ProcMesh(MeshView):
         failure = self._failure(slot, handle, describe_exit(handle.returncode or 0))
         self._proc_failed(st, slot, handle, failure)
 
+    async def _confirm_lost(self, st: _State, slot: int, handle: ProcHandle, why: str) -> None:
+        """The link to a worker broke: it is dead if it exits (its exit status says
+        how, through :meth:`_watch`), or is killed if it lingers without a link."""
+        with anyio.move_on_after(LINK_LOSS_GRACE):
+            await handle.process.wait()
+            return
+        if st.closing or handle.expected_exit or handle.failed:
+            return
+        handle.failed = True
+        cause = f"its connection broke ({why}) and it did not exit; the process was killed"
+        failure = self._failure(slot, handle, cause)
+        handle.process.kill()
+        self._proc_failed(st, slot, handle, failure)
+
     async def _monitor_heartbeats(self, st: _State) -> None:
+        """Declare lost a worker that was silent while this process could hear it.
+
+        Heartbeats are read by this process's event loop, so a loop that stalls (a
+        blocking call, a debugger stop, a notebook idle between cells) hears nobody
+        and must not blame the workers for it. A worker's silence is counted only
+        from the later of its last heartbeat and the end of the last stall of this
+        monitor (a tick that came much later than asked), which gives every worker a
+        full timeout after the loop runs again to be heard.
+        """
         rt = st.runtime
+        last_tick = hearing_since = anyio.current_time()
         while not st.closing:
             await anyio.sleep(self._hb_period)
             now = anyio.current_time()
+            if now - last_tick > self._hb_period + STALL_SLACK:
+                hearing_since = now
+                log.debug(
+                    "event loop stalled for %.1f s: heartbeats count from now", now - last_tick
+                )
+            last_tick = now
             for slot, handle in enumerate(list(st.procs)):
                 last = rt.heartbeats.get(handle.addr)
                 if handle.failed or handle.expected_exit or last is None:
                     continue
-                if handle.returncode is None and now - last > self._hb_timeout:
+                silent = now - max(last, hearing_since)
+                if handle.returncode is None and silent > self._hb_timeout:
                     handle.failed = True
                     cause = (
-                        f"sent no heartbeat for {now - last:.1f} s (timeout "
-                        f"{self._hb_timeout:g} s); the process was killed"
+                        f"sent no heartbeat for {silent:.1f} s while this controller was "
+                        f"listening (timeout {self._hb_timeout:g} s); the worker was silent, "
+                        "not its controller; the process was killed"
                     )
                     failure = self._failure(slot, handle, cause)
                     handle.process.kill()
                     self._proc_failed(st, slot, handle, failure)
+            st.ticked()
 
     def _proc_failed(self, st: _State, slot: int, handle: ProcHandle, failure: Failure) -> None:
         """A process is gone: fail its calls at once, then restart or escalate."""
@@ -376,8 +430,9 @@ class ProcMesh(MeshView):
         slots = self._restart_slots(st, slot)
         if slots is not None:
             st.restarting += 1  # before the calls fail, so `ready()` sees it
-        st.runtime.peer_failed(handle.addr, failure)
-        st.runtime.heartbeats.pop(handle.addr, None)
+        # every process that may be calling it hears of it (Died notices)
+        st.runtime.peer_failed(handle.addr, failure, announce=True)
+        st.runtime.peers.unwatch(handle.addr)
         log.error("supervision failure: %s", failure)
         if slots is not None:
             st.tg.start_soon(self._restart, st, slots, failure)
@@ -452,6 +507,7 @@ class ProcMesh(MeshView):
             old = [st.procs[s] for s in slots]
             for h in old:
                 h.expected_exit = True
+                rt.peers.unwatch(h.addr)
                 if h.addr not in rt.dead:
                     rt.peer_failed(
                         h.addr,
@@ -461,6 +517,7 @@ class ProcMesh(MeshView):
                             pid=h.pid,
                             cause=f"restarted with its mesh after: {failure}",
                         ),
+                        announce=True,
                     )
             async with anyio.create_task_group() as tg:
                 for h in old:
@@ -471,7 +528,7 @@ class ProcMesh(MeshView):
             for s, h in zip(slots, fresh):
                 st.procs[s] = h
                 st.addrs[s] = h.addr
-                st.tg.start_soon(self._watch, st, h, s)
+                self._supervise_proc(st, s, h)
             affected = [sp for sp in st.spawned.values() if set(slots) & set(sp.mesh.shape.slots)]
             for sp in affected:
                 await self._spawn_ranks(st, sp, set(slots))
@@ -597,7 +654,7 @@ class ProcMesh(MeshView):
             for p in st.procs:
                 tg.start_soon(p.stop, FAILED_EXIT_GRACE if failed else EXIT_GRACE)
         for slot, p in enumerate(st.procs):
-            rt.heartbeats.pop(p.addr, None)
+            rt.peers.unwatch(p.addr)
             rt.peer_failed(p.addr, self._failure(slot, p, "was stopped by its owner"))
             _codec.remove_segments_of(p.pid)
         st.closed.set()

@@ -28,6 +28,7 @@ __all__ = [
     "Cancel",
     "Cast",
     "Credit",
+    "Died",
     "Envelope",
     "Error",
     "FailureReport",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 MAGIC = b"AM"
-VERSION = 2
+VERSION = 3
 #: A pickle at least this long travels as a frame part of its own, not in the envelope.
 INLINE_LIMIT = 16 * 1024
 #: Frames up to this size are sent as one bytes object (one small copy beats parts).
@@ -183,8 +184,11 @@ class Prune(msgspec.Struct, tag="prune", array_like=True):
 
 
 class Credit(msgspec.Struct, tag="credit", array_like=True):
-    """``count`` messages (``nbytes`` of payload) to ``actor`` at ``addr`` were taken
-    from its mailbox: the sender may send that much more (flow control)."""
+    """``actor`` at ``addr`` has taken ``count`` messages (``nbytes`` of payload) of
+    the receiver's casts from its mailbox so far (flow control). The counts are totals,
+    not deltas: a lost or repeated credit cannot shrink or widen a window for good.
+    A sender held back for a while sends a probe (``count`` -1, ``addr`` its own) to
+    ask for the totals again."""
 
     addr: str
     actor: str
@@ -223,6 +227,21 @@ class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
     pid: int
 
 
+class Died(msgspec.Struct, tag="died", array_like=True):
+    """The process at ``addr`` is gone: sent by its supervisor to the processes that
+    may be calling it, so that their calls fail at once (see :class:`~amesh.Failure`
+    for the fields)."""
+
+    addr: str
+    mesh: str
+    rank: int
+    pid: int | None
+    host: str
+    cause: str
+    exit_code: int | None = None
+    signal: int | None = None
+
+
 Envelope = (
     Call
     | Cast
@@ -236,6 +255,7 @@ Envelope = (
     | Gathered
     | Prune
     | Credit
+    | Died
 )
 
 _encoder = msgspec.msgpack.Encoder()

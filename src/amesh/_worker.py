@@ -86,6 +86,7 @@ async def serve(
     call_context.set(None)  # a worker starts outside any actor's call
     shutdown = anyio.Event()
     async with open_runtime(transport_factory) as rt:
+        rt.peers.parent = parent  # hears of deaths this process's supervisor sees
         agent = ProcAgent(shutdown)
         rt.add_actor(
             ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), parent, 0)

@@ -14,9 +14,9 @@ an error (fail fast), so the sender gets O(fan-out) frames per call.
 
 A relay that dies takes with it what it had not forwarded or sent up yet. For a call,
 the sender fails the ranks behind it at once (as a failure of the relay's rank only)
-and tells the relays above to stop waiting for them. A broadcast it had not forwarded
-is lost for its subtree: the relay's own death is reported to the owner, but the
-ranks below it are not told that they missed a message.
+and tells the relays above to stop waiting for them. A broadcast is sent again by its
+sender, around the dead relay, to the ranks behind it that had not confirmed it (see
+:mod:`amesh._runtime._router`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,119 @@
+"""Requests for this process's actors: dedup, mailboxes, cancellation, deadlocks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from .. import _wire
+from .._errors import DeadlockError
+from ._links import Links
+from ._mailbox import ActorInstance, type_name_of
+
+__all__ = ["Dispatch"]
+
+log = logging.getLogger("amesh.runtime")
+
+#: How many recent requests are remembered to drop duplicates.
+_RECENT = 65536
+
+
+class Dispatch:
+    """The actors of this process and the requests they are handling."""
+
+    def __init__(self, links: Links, spawn: Callable[..., None]) -> None:
+        self._links = links
+        self._spawn = spawn
+        self.pid = os.getpid()
+        self.actors: dict[str, ActorInstance] = {}
+        #: (sender, call_id) of requests being handled, and their cancel scopes
+        self.running: dict[tuple[str, int], anyio.CancelScope] = {}
+        #: requests sitting in a mailbox, and those of them cancelled before they ran
+        self.queued: set[tuple[str, int]] = set()
+        self.cancelled: set[tuple[str, int]] = set()
+        #: (sender, call id) of recent requests, to drop duplicated frames
+        self._recent: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.duplicates = 0
+
+    def is_duplicate(self, sender: str, call_id: int) -> bool:
+        """True if this request was seen already (at most once: it runs nothing)."""
+        key = (sender, call_id)
+        if key in self._recent:
+            self.duplicates += 1
+            return True
+        self._recent[key] = None
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
+        return False
+
+    def accept(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
+        """Queue a request for a local actor, or answer why it cannot run."""
+        inst = self.actors.get(env.actor)
+        if inst is None:
+            if isinstance(env, _wire.Cast):
+                self._links.taken(env.sender, env.actor, _wire.payload_size(env))
+            if isinstance(env, _wire.Call):
+                self.reply_error(
+                    env.reply_to or env.sender,
+                    env.reply_id or env.call_id,
+                    env.rank,
+                    LookupError,
+                    f"no actor {env.actor!r} is running in process {self.pid}",
+                )
+            return
+        if inst.failed is not None:
+            if isinstance(env, _wire.Cast):
+                self._links.taken(env.sender, env.actor, _wire.payload_size(env))
+            self._spawn(inst.refuse, env)
+            return
+        if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
+            return
+        self.queued.add((env.sender, env.call_id))
+        inst.put(env, buffers)
+
+    def cancel(self, key: tuple[str, int], relayed: bool) -> None:
+        """The sender cancelled request ``key`` (``relayed``: we were gathering it)."""
+        scope = self.running.get(key)
+        if scope is not None:
+            scope.cancel()
+        elif key in self.queued:
+            self.cancelled.add(key)
+        elif not relayed and key not in self._recent:
+            # The cancel overtook the request (it came down the relay tree): the
+            # request, when it comes, is dropped like a duplicate.
+            self.is_duplicate(*key)
+
+    def reply_error(
+        self, sender: str, call_id: int, rank: int, exc_type: type[BaseException], msg: str
+    ) -> None:
+        """Answer call ``call_id`` of ``sender`` with an error, if we can reach it."""
+        name = type_name_of(exc_type)
+        try:
+            self._links.send_nowait(sender, _wire.Error(call_id, rank, name, msg, ""))
+        except Exception:  # an unreachable or bogus sender address
+            log.warning("could not answer %s", sender, exc_info=True)
+
+    def _deadlocks(self, inst: ActorInstance, env: _wire.Call) -> bool:
+        """Refuse a call to a serial endpoint whose actor is waiting on the caller."""
+        handler = inst.handlers.get(env.method)
+        if handler is not None and handler.concurrent:
+            return False
+        cycle = inst.waits_on(env.chain)
+        if cycle is None:
+            return False
+        path = " -> ".join([*cycle, inst.label(env.method)])
+        msg = (
+            f"deadlock: {path} would wait on itself: {inst.label()} handles one message at "
+            f"a time and is busy in {cycle[0]}, which waits on this call; make one of these "
+            "endpoints @endpoint(concurrent=True)"
+        )
+        log.warning("refused a call: %s", msg)
+        self.reply_error(
+            env.reply_to or env.sender, env.reply_id or env.call_id, env.rank, DeadlockError, msg
+        )
+        return True

@@ -1,0 +1,121 @@
+"""Peers: who is gone, who is watched, and how a death reaches every caller.
+
+A death is learnt three ways, whichever comes first:
+
+- the supervisor of a process (the owner of its mesh) sees its exit or its silence
+  and calls :meth:`Peers.failed`, which also tells the other processes that may be
+  calling it (a :class:`~amesh._wire.Died` notice to every process it supervises and
+  to its own parent);
+- such a notice arrives from another process's supervisor;
+- the transport reports that the link to a peer broke (EOF, reset, refused). For a
+  process this runtime supervises, the supervisor decides (it has the exit status);
+  for any other peer, the link's loss is its death.
+
+Every call waiting on a dead peer fails at once, and later sends to it fail at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+from .. import _wire
+from .._errors import Failure
+from ._calls import Calls
+from ._links import Links
+from ._router import Router
+
+__all__ = ["Peers", "peer_of"]
+
+log = logging.getLogger("amesh.runtime")
+
+_PID_IN_NAME = re.compile(r"amesh-(\d+)-[0-9a-f]+")
+
+
+def peer_of(addr: str) -> tuple[str | None, int | None]:
+    """``(host, pid)`` of the process at ``addr``, as far as its address tells."""
+    rest = addr.split("://", 1)[-1]
+    m = _PID_IN_NAME.search(rest)
+    pid = int(m.group(1)) if m else None
+    if addr.split("://", 1)[0].endswith("tcp"):
+        return rest.rsplit(":", 1)[0].strip("[]"), pid
+    return None, pid
+
+
+class Peers:
+    """The peer table of one runtime."""
+
+    def __init__(
+        self, dead: dict[str, Failure], calls: Calls, router: Router, links: Links
+    ) -> None:
+        self._calls = calls
+        self._router = router
+        self._links = links
+        #: addresses of processes known to be dead -> why (shared with the other parts)
+        self.dead = dead
+        #: addresses of workers this runtime supervises -> when their last heartbeat
+        #: came (anyio clock)
+        self.heartbeats: dict[str, float] = {}
+        #: supervised addresses -> what to do when their link breaks
+        self._watchers: dict[str, Callable[[str], None]] = {}
+        #: the address of this process's own supervisor, if any
+        self.parent = ""
+        self.notices = 0
+
+    def watch(self, addr: str, on_link_lost: Callable[[str], None], now: float) -> None:
+        """This runtime supervises ``addr``: its heartbeats count from ``now``, and a
+        broken link to it goes to ``on_link_lost(why)`` instead of failing it."""
+        self._watchers[addr] = on_link_lost
+        self.heartbeats[addr] = now
+
+    def unwatch(self, addr: str) -> None:
+        self._watchers.pop(addr, None)
+        self.heartbeats.pop(addr, None)
+
+    def failed(self, addr: str, why: Failure, announce: bool = False) -> None:
+        """The process at ``addr`` is gone: fail every call waiting on it, now and
+        later; with ``announce``, tell the processes that may be calling it."""
+        if addr in self.dead:
+            return
+        self.dead[addr] = why
+        self.heartbeats.pop(addr, None)
+        self._calls.fail_addr(addr, why)
+        self._router.peer_failed(addr, why)
+        self._links.forget(addr)
+        if announce:
+            self._announce(addr, why)
+
+    def _announce(self, addr: str, why: Failure) -> None:
+        notice = _wire.Died(
+            addr, why.mesh, why.rank, why.pid, why.host, why.cause, why.exit_code, why.signal
+        )
+        for peer in [*self._watchers, self.parent]:
+            if peer and peer != addr and peer not in self.dead:
+                self._links.send_nowait(peer, notice)
+
+    def on_notice(self, env: _wire.Died) -> None:
+        """Another supervisor says ``env.addr`` is gone (ignored for our own)."""
+        if env.addr in self._watchers or env.addr == self._links.address:
+            return
+        self.notices += 1
+        why = Failure(
+            env.mesh, env.rank, env.pid, env.cause, env.exit_code, env.signal, host=env.host
+        )
+        self.failed(env.addr, why)
+
+    def link_lost(self, addr: str, why: str) -> None:
+        """The transport's link to ``addr`` broke."""
+        if addr in self.dead:
+            return
+        watcher = self._watchers.get(addr)
+        if watcher is not None:
+            watcher(why)
+            return
+        host, pid = peer_of(addr)
+        cause = f"its connection was lost ({why})"
+        failure = Failure(f"process at {addr}", -1, pid, cause)
+        if host is not None:
+            failure = Failure(failure.mesh, -1, pid, cause, host=host)
+        log.warning("lost the connection to %s: %s", addr, why)
+        self.failed(addr, failure)

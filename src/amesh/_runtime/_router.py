@@ -1,0 +1,247 @@
+"""Outgoing requests: straight to each rank, or down the relay tree.
+
+A call or cast to ranks behind a relay depends on that relay. When a relay dies:
+
+- a call fails the ranks behind it at once (as a failure of the relay's rank), and
+  the relays above are told to stop waiting for them;
+- a cast (broadcast) is sent again, around the dead relay, to every rank behind it
+  that has not yet confirmed it by credit. Receivers drop a request they have seen
+  (by sender and call id), so a rank that did get it runs it once, and since the
+  resend goes out before anything newer, per-sender order holds. The sender keeps
+  each relayed cast until every rank behind a relay credited it, which flow control
+  bounds by the send window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .. import _wire
+from .._codec import Payload
+from .._errors import Failure, SupervisionError
+from ._calls import Calls, Pending
+from ._context import call_context
+from ._links import Links
+from ._tree import Nodes, plan
+
+__all__ = ["Router", "Tree"]
+
+
+class Tree(NamedTuple):
+    """The relay tree of an actor mesh: its processes by slot, and the fan-out."""
+
+    procs: Sequence[str]
+    slots: Mapping[int, int]
+    fanout: int
+
+
+class _Relayed:
+    """A cast that went through relays, kept until the ranks behind them credit it."""
+
+    __slots__ = ("parts", "remaining", "req", "seqs", "tree", "via")
+
+    def __init__(self, req: _wire.Relay, parts: list[Any], tree: Tree) -> None:
+        self.req = req
+        self.parts = parts
+        self.tree = tree
+        #: rank -> relays on its path, for ranks behind a relay
+        self.via: dict[int, tuple[str, ...]] = {}
+        #: rank -> (address, the cast's number among those sent there)
+        self.seqs: dict[int, tuple[str, int]] = {}
+        self.remaining = 0
+
+
+class Router:
+    """Sends calls and casts to their ranks, and handles the death of a relay."""
+
+    def __init__(self, address: str, calls: Calls, links: Links, dead: Mapping[str, Failure]):
+        self.address = address
+        self._calls = calls
+        self._links = links
+        self._dead = dead
+        #: actor key -> relayed casts not yet credited by every rank behind a relay
+        self._relayed: dict[str, deque[_Relayed]] = {}
+        #: (address, actor key) -> (number, cast) of relayed casts awaiting its credit
+        self._awaiting: dict[tuple[str, str], deque[tuple[int, _Relayed]]] = {}
+        self.resent = 0
+
+    def _heads(
+        self, targets: dict[int, str], tree: Tree | None, pending: Pending | None = None
+    ) -> list[tuple[str, int, Nodes]]:
+        """Where a message to ``targets`` goes first: each rank directly, or the heads
+        of the relay tree with their subtrees (recorded in ``pending`` for a call)."""
+        if tree is None:
+            return [(addr, rank, []) for rank, addr in targets.items()]
+        route = plan({r: tree.slots[r] for r in targets}, tree.procs, tree.fanout, self._dead)
+        if pending is not None:
+            pending.relays, pending.via = route.relays, route.via
+        return route.heads
+
+    async def send_requests(
+        self,
+        pending: Pending,
+        method: str,
+        labels: list[str],
+        sizes: list[int],
+        payload: Payload,
+        tree: Tree | None = None,
+    ) -> None:
+        """Send the call of ``pending`` to each of its target ranks (down ``tree``)."""
+        ctx = call_context.get()
+        chain = ctx.chain if ctx is not None else []
+        if any(a in self._dead for a in pending.targets.values()):
+            # All or nothing: a call that includes a dead rank fails at once and
+            # reaches no rank at all.
+            for rank, addr in list(pending.targets.items()):
+                why = self._dead.get(addr)
+                if why is not None:
+                    self._calls.fail_rank(pending, rank, why)
+                else:
+                    del pending.targets[rank]
+                    self._calls.dec_inflight(addr, pending.actor)
+            return
+        data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+        call_id = pending.call_id
+        req = _wire.Relay(
+            self.address, call_id, -1, pending.actor, method, labels, sizes, data, chain,
+            lengths, self.address, call_id, [],
+        )  # fmt: skip
+        for addr, rank, nodes in self._heads(pending.targets, tree, pending):
+            await self._links.send(addr, _wire.addressed(req, rank, nodes), parts)
+            self._calls.sent += 1
+
+    async def send_casts(
+        self,
+        actor: str,
+        targets: dict[int, str],
+        method: str,
+        labels: list[str],
+        sizes: list[int],
+        payload: Payload,
+        tree: Tree | None = None,
+        deadline: float = math.inf,
+    ) -> None:
+        """Send a :class:`~amesh._wire.Cast` to each target (down ``tree``): no replies.
+
+        Raises:
+            SupervisionError: a target is known to be dead (nothing is sent).
+            TimeoutError: flow control held the cast past ``deadline``.
+        """
+        for addr in targets.values():
+            why = self._dead.get(addr)
+            if why is not None:
+                raise SupervisionError(str(why), [why])
+        data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+        nbytes = payload.nbytes
+        addrs = list(targets.values())
+        numbers = await self._links.acquire(addrs, actor, nbytes, deadline)
+        seqs = dict(zip(targets, zip(addrs, numbers)))
+        req = _wire.Relay(
+            self.address, self._calls.next_id(), -1, actor, method, labels, sizes, data, [],
+            lengths, "", 0, [],
+        )  # fmt: skip
+        if tree is None:
+            heads = self._heads(targets, None)
+        else:
+            route = plan({r: tree.slots[r] for r in targets}, tree.procs, tree.fanout, self._dead)
+            heads = route.heads
+            if route.via:
+                self._keep(req, parts, tree, route.via, seqs)
+        # Posted, not awaited: the windows just taken are counted as sent, so the
+        # frames must go out even if the caller is cancelled now (flow control
+        # bounds what may queue).
+        for addr, rank, nodes in heads:
+            self._links.send_nowait(addr, _wire.addressed(req, rank, nodes), parts)
+
+    # -- relayed casts ----------------------------------------------------------------
+
+    def _keep(
+        self,
+        req: _wire.Relay,
+        parts: list[Any],
+        tree: Tree,
+        via: dict[int, tuple[str, ...]],
+        seqs: dict[int, tuple[str, int]],
+    ) -> None:
+        kept = _Relayed(req, parts, tree)
+        kept.via = via
+        for rank in via:
+            addr, seq = seqs[rank]
+            kept.seqs[rank] = (addr, seq)
+            self._awaiting.setdefault((addr, req.actor), deque()).append((seq, kept))
+        kept.remaining = len(via)
+        self._relayed.setdefault(req.actor, deque()).append(kept)
+
+    def credited(self, addr: str, actor: str, count: int) -> None:
+        """``actor`` at ``addr`` took ``count`` of our casts: release what it confirms."""
+        waiting = self._awaiting.get((addr, actor))
+        if waiting is None:
+            return
+        while waiting and waiting[0][0] <= count:
+            waiting.popleft()[1].remaining -= 1
+        if not waiting:
+            del self._awaiting[(addr, actor)]
+        self._release(actor)
+
+    def _release(self, actor: str) -> None:
+        kept = self._relayed.get(actor)
+        while kept and kept[0].remaining <= 0:
+            kept.popleft()
+        if kept is not None and not kept:
+            del self._relayed[actor]
+
+    def _resend(self, relay: str) -> None:
+        """Send the casts that went through ``relay`` again, around it."""
+        for actor, kept in list(self._relayed.items()):
+            for cast in kept:
+                lost = {}
+                for rank, path in cast.via.items():
+                    addr, seq = cast.seqs[rank]
+                    if (
+                        relay in path
+                        and addr not in self._dead
+                        and self._links.credited(addr, actor) < seq
+                    ):
+                        lost[rank] = addr
+                if not lost:
+                    continue
+                tree = cast.tree
+                slots = {r: tree.slots[r] for r in lost}
+                route = plan(slots, tree.procs, tree.fanout, self._dead)
+                for rank in lost:
+                    cast.via[rank] = route.via.get(rank, ())
+                for addr, rank, nodes in route.heads:
+                    self._links.send_nowait(
+                        addr, _wire.addressed(cast.req, rank, nodes), cast.parts
+                    )
+                self.resent += 1
+
+    # -- deaths -------------------------------------------------------------------------
+
+    def peer_failed(self, addr: str, why: Failure) -> None:
+        """``addr`` is gone: fail the calls it relayed, resend the casts it relayed."""
+        for pending in list(self._calls.pending.values()):
+            if addr in pending.relays:
+                self._relay_failed(pending, addr, why)
+        for key in [k for k in self._awaiting if k[0] == addr]:
+            for _, cast in self._awaiting.pop(key):
+                cast.remaining -= 1
+            self._release(key[1])
+        self._resend(addr)
+
+    def _relay_failed(self, pending: Pending, addr: str, why: Failure) -> None:
+        """A relay of ``pending`` died: the replies behind it are lost; fail them fast
+        (as a failure of the relay's rank only) and tell the relays above to stop
+        waiting for them."""
+        lost = [r for r, path in pending.via.items() if addr in path and r in pending.targets]
+        for rank in lost:
+            msg = f"the result of rank {rank} was lost: the process relaying it {why.cause}"
+            self._calls.fail_rank(pending, rank, why, msg)
+        if lost:
+            prune = _wire.Prune(self.address, pending.call_id, lost)
+            for relay in pending.relays:
+                if relay not in self._dead:
+                    self._links.send_nowait(relay, prune)

@@ -1,0 +1,161 @@
+"""Failures on the links: every caller learns of a death, a stalled controller kills
+nobody, and nothing is lost in relay trees or flow control."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from amesh import Failure, ProcMesh, SupervisionError
+from amesh._runtime._runtime import current_runtime
+from amesh._transport import open_transport
+from amesh.testing import FaultyTransport, InProcessHost, MemoryTransport, open_runtime
+
+from .actors import Counter, Gate, Proxy, Sink
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_caller_that_is_not_the_owner_learns_of_a_death() -> None:
+    """Actor A was handed mesh b; b's process is SIGKILLed while A waits on it: A's call
+    fails with a SupervisionError naming the rank, host, pid and cause, while the
+    controller (b's owner) handles the failure."""
+    failures: list[Failure] = []
+
+    def handle(failure: Failure) -> bool:
+        failures.append(failure)
+        return True
+
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 1}) as a_procs:
+            proxy = await a_procs.spawn("proxy", Proxy)
+            async with ProcMesh({"procs": 1}, supervise=handle) as b_procs:
+                b = await b_procs.spawn("b", Counter)
+                victim = b_procs.pids[0]
+                async with anyio.create_task_group() as tg:
+                    outcome: list[Any] = []
+
+                    async def wait() -> None:
+                        outcome.append(await proxy.call_hang.call_one(b))
+
+                    tg.start_soon(wait)
+                    await b.wait_started.call_one()  # A's call is running in b
+                    killed = time.monotonic()
+                    os.kill(victim, signal.SIGKILL)
+                kind, message, when = outcome[0]
+    assert kind == "SupervisionError"
+    assert f"pid {victim}" in message and "host" in message, message
+    assert "SIGKILL" in message or "connection" in message, message
+    assert when >= killed
+    assert [f.pid for f in failures] == [victim]
+
+
+async def test_a_stalled_controller_kills_no_worker() -> None:
+    """The controller's loop blocks for several heartbeat timeouts (a synchronous data
+    load, a debugger stop): no worker is declared lost, and the next call works."""
+    failures: list[Failure] = []
+    with anyio.fail_after(60):
+        async with ProcMesh(
+            {"procs": 2},
+            heartbeat_period=0.1,
+            heartbeat_timeout=1.0,
+            supervise=lambda f: failures.append(f) or True,
+        ) as procs:
+            c = await procs.spawn("c", Counter)
+            assert (await c.incr.call()).values() == [1, 1]
+            time.sleep(3.5)  # noqa: ASYNC251 -- the stall under test, on purpose
+            assert (await c.incr.call()).values() == [2, 2]
+            # the heartbeat monitor looks again, several times: still nobody blamed
+            for _ in range(5):
+                await procs._live().monitor_tick()
+                assert (await c.get.call()).values() == [2, 2]
+    assert failures == []
+
+
+async def test_a_silent_worker_is_still_found_after_a_stall() -> None:
+    """After a controller stall, a worker that really is silent (SIGSTOP) is declared
+    lost, and the failure says whose silence it was."""
+    with anyio.fail_after(60):
+        with pytest.raises(SupervisionError, match="worker was silent") as info:
+            async with ProcMesh({"procs": 1}, heartbeat_period=0.1, heartbeat_timeout=1.0) as procs:
+                c = await procs.spawn("c", Counter)
+                time.sleep(1.5)  # noqa: ASYNC251 -- a controller stall first
+                os.kill(procs.pids[0], signal.SIGSTOP)
+                await c.hang.call_one()
+    assert info.value.failures[0].pid is not None  # type: ignore[attr-defined]
+
+
+async def test_broadcasts_behind_a_dead_relay_are_sent_again_around_it() -> None:
+    """A relay dies holding broadcasts it had not forwarded: its subtree still gets
+    every one of them, once each, in order, and nobody else gets any twice."""
+    host = InProcessHost()
+    failures: list[Failure] = []
+    failed = anyio.Event()
+
+    def handle(failure: Failure) -> bool:
+        failures.append(failure)
+        failed.set()
+        return True
+
+    with anyio.fail_after(60):
+        async with open_runtime(MemoryTransport()) as rt:
+            async with ProcMesh({"procs": 13}, host=host, fanout=3, supervise=handle) as procs:
+                c = await procs.spawn("c", Counter)
+                await c.incr.call()  # 1 everywhere; links dialled
+                relay = host.worker(procs.pids[0])  # relays for 3, 4, 5 and 12
+                relay.pause()
+                for i in range(5):
+                    await c.record.broadcast(i)
+                relay.kill()
+                live = c.slice(procs=slice(1, 13))
+                await failed.wait()  # the owner hears of the death
+                seen = (await live.seen_items.call()).values()
+                assert seen == [list(range(5))] * 12
+                assert rt.statistics().casts_resent > 0
+    assert [f.rank for f in failures] == [0]
+
+
+async def test_a_lost_credit_does_not_shrink_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credits are totals: with every other credit message dropped, the window comes
+    back in full, so a broadcaster is never held back for good."""
+    monkeypatch.setenv("AMESH_SEND_WINDOW", "64")
+    faulty = FaultyTransport(open_transport())
+    with anyio.fail_after(60):
+        async with open_runtime(faulty) as rt:
+            async with ProcMesh({"procs": 1}) as procs:
+                sink = await procs.spawn("sink", Sink)
+                faulty.drop_inbound(kinds={"Credit"}, count=3)
+                for i in range(640):
+                    await sink.note.broadcast(i)
+                got, _ = await sink.received.call_one()
+                assert got == list(range(640))
+                addr = procs._live().addrs[0]
+                # what is still uncredited is less than one credit batch
+                assert rt.links.outstanding(addr, sink.key) < 32
+                assert faulty.dropped == 3
+
+
+async def test_broadcast_timeout() -> None:
+    """``broadcast(timeout=)`` gives up waiting for credit, and leaves the window as
+    it was: the broadcasts go on once the actor reads again."""
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 1}) as procs:
+            sink = await procs.spawn("sink", Sink)
+            gate = await procs.spawn("gate", Gate)
+            await sink.hold.broadcast()
+            rt = current_runtime()
+            sent = 0
+            with pytest.raises(TimeoutError, match="took no message"):
+                for i in range(5000):
+                    await sink.note.broadcast(i, timeout=0.5)
+                    sent += 1
+            assert sent == rt.links.window - 1  # hold + notes fill the window
+            await gate.open.call_one()
+            await sink.note.broadcast(sent, timeout=10)
+            got, _ = await sink.received.call_one()
+            assert got == list(range(sent + 1))
