@@ -9,14 +9,16 @@ import time
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
+import amesh
 from amesh import Failure, ProcMesh, SupervisionError
 from amesh._runtime._runtime import current_runtime
 from amesh._transport import open_transport
 from amesh.testing import FaultyTransport, InProcessHost, MemoryTransport, open_runtime
 
-from .actors import Counter, Gate, Proxy, Sink
+from .actors import Counter, Gate, Mortal, Proxy, Sink
 
 pytestmark = pytest.mark.anyio
 
@@ -159,3 +161,24 @@ async def test_broadcast_timeout() -> None:
             await sink.note.broadcast(sent, timeout=10)
             got, _ = await sink.received.call_one()
             assert got == list(range(sent + 1))
+
+
+async def test_a_cancelled_body_still_receives() -> None:
+    """An unhandled failure cancels the body of amesh.run, not the receiving: cleanup
+    code in the body (shielded) can still call the surviving ranks."""
+    answers: list[Any] = []
+
+    async def main() -> None:
+        procs = await ProcMesh(per_host={"p": 2})
+        m = await procs.spawn("m", Mortal)
+        try:
+            await m.slice(p=0).die.broadcast("exit")
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.fail_after(20):
+                answers.append(await m.slice(p=1).bump.call_one())
+
+    with anyio.fail_after(60):
+        with pytest.raises(SupervisionError, match="exited with code 3"):
+            await anyio.to_thread.run_sync(amesh.run, main)
+    assert len(answers) == 1
