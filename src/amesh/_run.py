@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from ._proc_mesh import default_transport
+from ._config import default_transport
 from ._runtime._runtime import open_runtime
 from ._transport import open_transport
 

@@ -1,0 +1,213 @@
+"""The processes of a mesh: starting them, stopping them, the actors on them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from .. import _codec
+from .._actor_mesh import ActorMesh
+from .._config import default_transport
+from .._errors import ActorError, Failure, SupervisionError
+from .._hosts._local import Host, ProcHandle
+from .._proc_agent import AGENT_KEY, ProcAgent
+from .._runtime._runtime import Runtime
+from .._shape import Shape
+from .._supervision import RestartPolicy, RestartWindow
+
+__all__ = [
+    "EXIT_GRACE",
+    "FAILED_EXIT_GRACE",
+    "FAILED_STOP_TIMEOUT",
+    "STOP_ACTORS_TIMEOUT",
+    "Lifecycle",
+    "MeshState",
+    "Spawned",
+    "failure_of",
+]
+
+log = logging.getLogger("amesh.mesh")
+
+#: Bounded waits of a polite shutdown, in seconds.
+STOP_ACTORS_TIMEOUT = 5.0
+EXIT_GRACE = 5.0
+#: The same waits once the mesh has failed: survivors are often stuck waiting on the
+#: dead (a collective), so politeness is cut short.
+FAILED_STOP_TIMEOUT = 1.0
+FAILED_EXIT_GRACE = 1.0
+
+
+@dataclass
+class Spawned:
+    """How an actor mesh was made, so it can be made again on a restart."""
+
+    mesh: ActorMesh[Any]
+    payload: _codec.Payload
+    policy: RestartPolicy | None
+
+
+class MeshState:
+    """What a running ProcMesh and all its views share."""
+
+    def __init__(self, runtime: Runtime, tg: TaskGroup, procs: list[ProcHandle]) -> None:
+        self.runtime = runtime
+        self.tg = tg
+        self.procs = procs
+        #: addresses by slot; ActorMesh handles share this list, so a restarted
+        #: process is found at its new address
+        self.addrs: list[str] = [p.addr for p in procs]
+        self.spawned: dict[str, Spawned] = {}
+        self.unhandled: list[Failure] = []
+        self.handled: list[Failure] = []
+        #: pids whose failure went through escalation, and who waits for the next one
+        self.escalated: set[int | None] = set()
+        self.escalation: anyio.Event | None = None
+        self.closing = False
+        self.closed = anyio.Event()
+        self.restarting = 0
+        self.restarted = anyio.Event()
+        self.restarts = 0
+        self.window = RestartWindow()
+        #: set (and replaced) each time the heartbeat monitor has looked
+        self._ticked = anyio.Event()
+
+    def ticked(self) -> None:
+        self._ticked.set()
+        self._ticked = anyio.Event()
+
+    async def monitor_tick(self) -> None:
+        """Wait until the heartbeat monitor has looked at every worker once more."""
+        await self._ticked.wait()
+
+
+def failure_of(label: str, slot: int, handle: ProcHandle, cause: str) -> Failure:
+    """The :class:`Failure` of process ``slot`` of mesh ``label``."""
+    rc = handle.returncode
+    return Failure(
+        mesh=label,
+        rank=slot,
+        pid=handle.pid,
+        cause=cause,
+        exit_code=rc if rc is not None and rc >= 0 else None,
+        signal=-rc if rc is not None and rc < 0 else None,
+    )
+
+
+class Lifecycle:
+    """Starts and stops the processes of one ProcMesh, and the actors on them.
+
+    Args:
+        host: where the processes run.
+        env: extra environment variables for them.
+        heartbeat_period: seconds between their heartbeats.
+        label: the mesh, as failures name it (``"ProcMesh {'gpus': 4}"``).
+    """
+
+    def __init__(
+        self, host: Host, env: dict[str, str], heartbeat_period: float, label: str
+    ) -> None:
+        self.host = host
+        self.env = env
+        self.heartbeat_period = heartbeat_period
+        self.label = label
+
+    def scheme(self, rt: Runtime) -> tuple[str, str]:
+        # workers listen the way the controller does ("stream+tcp", "abstract", ...)
+        scheme, rest = rt.address.split("://", 1)
+        host = default_transport()[1]
+        if scheme.removeprefix("stream+") == "tcp":
+            host = rest.rsplit(":", 1)[0].strip("[]")
+        return scheme, host
+
+    async def start_procs(self, rt: Runtime, n: int) -> list[ProcHandle]:
+        scheme, host = self.scheme(rt)
+        procs: list[ProcHandle | None] = [None] * n
+
+        async def start(i: int) -> None:
+            procs[i] = await self.host.start_proc(
+                rt, scheme, host, self.env, heartbeat_period=self.heartbeat_period
+            )
+
+        try:
+            async with anyio.create_task_group() as starters:
+                for i in range(n):
+                    starters.start_soon(start, i)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for p in procs:
+                    if p is not None:
+                        p.process.kill()
+                        await p.stop(0)
+            raise
+        return [p for p in procs if p is not None]
+
+    async def shutdown(self, st: MeshState) -> None:
+        if st.closing:
+            await st.closed.wait()
+            return
+        rt = st.runtime
+        alive = [p for p in st.procs if p.addr not in rt.dead and p.returncode is None]
+        agents = self.agents_of(alive)
+        failed = bool(st.unhandled)
+        with anyio.move_on_after(FAILED_STOP_TIMEOUT if failed else STOP_ACTORS_TIMEOUT):
+            for key in reversed(list(st.spawned)):
+                try:
+                    await agents.stop_actor.call(key)
+                except (ActorError, SupervisionError) as exc:
+                    log.warning("stopping actor mesh %s: %s", key, exc)
+        for key in st.spawned:
+            rt.failure_handlers.pop(key, None)
+        st.closing = True
+        for p in st.procs:
+            p.expected_exit = True
+        alive = [p for p in st.procs if p.addr not in rt.dead and p.returncode is None]
+        try:
+            await self.agents_of(alive).shutdown.broadcast()
+        except Exception as exc:  # the processes are stopped below either way
+            log.warning("asking workers to exit: %s", exc)
+        async with anyio.create_task_group() as tg:
+            for p in st.procs:
+                tg.start_soon(p.stop, FAILED_EXIT_GRACE if failed else EXIT_GRACE)
+        for slot, p in enumerate(st.procs):
+            rt.peers.unwatch(p.addr)
+            rt.peer_failed(p.addr, failure_of(self.label, slot, p, "was stopped by its owner"))
+            _codec.remove_segments_of(p.pid)
+        st.closed.set()
+
+    def agents_of(self, procs: list[ProcHandle]) -> ActorMesh[ProcAgent]:
+        shape = Shape(["procs"], [len(procs)])
+        # the control plane stays direct: no relay may be mid-exit while relaying
+        return ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, shape, [p.addr for p in procs])
+
+    async def spawn_ranks(self, st: MeshState, sp: Spawned, slots: set[int] | None) -> None:
+        """Construct the actors of ``sp`` on every rank, or on those in ``slots``."""
+        mesh = sp.mesh
+        shape = mesh.shape
+        ranks = [r for r, s in enumerate(shape.slots) if slots is None or s in slots]
+        owner = st.runtime.address
+        labels, sizes = list(shape.labels), list(shape.sizes)
+        agents = ActorMesh(
+            AGENT_KEY,
+            AGENT_KEY,
+            ProcAgent,
+            Shape(["ranks"], [len(ranks)], [shape.slots[r] for r in ranks]),
+            st.addrs,
+        )
+        try:
+            await agents.spawn_actor.call(
+                mesh.key, mesh.name, sp.payload, owner, labels, sizes, ranks
+            )
+        except ActorError as exc:
+            # name the failing rank in the actor mesh, not in the agents' view
+            rank = ranks[int(exc.point.get("rank", 0))]
+            raise ActorError(
+                exc.type_name,
+                exc.message,
+                exc.traceback,
+                mesh.name,
+                {**shape.coords(rank), "rank": rank},
+            ) from None
