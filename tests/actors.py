@@ -400,3 +400,34 @@ class Proxy(Actor):
     @endpoint
     async def get_from(self, other: ActorMesh[Counter]) -> int:
         return await other.get.call_one()
+
+
+class BadStr(Exception):
+    """An exception that cannot be printed."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr either")
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise ValueError("refuses to be pickled")
+
+
+class Awkward(Actor):
+    """Endpoints whose errors or results are hard to send back."""
+
+    @endpoint
+    def raise_bad_str(self) -> None:
+        raise BadStr("secret", 42)
+
+    @endpoint
+    def unpicklable_result(self) -> Any:
+        return Unpicklable()
+
+    @endpoint
+    def ok(self) -> int:
+        return os.getpid()

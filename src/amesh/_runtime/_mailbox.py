@@ -61,9 +61,31 @@ def type_name_of(t: type[BaseException]) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as inner:  # a user's __str__ may raise: say so, keep going
+        try:
+            args = repr(exc.args)
+        except Exception:
+            args = "(args not printable)"
+        return f"<str() raised {type(inner).__name__}; args {args}>"
+
+
 def error_of(exc: BaseException) -> tuple[str, str, str]:
-    """``(type name, message, traceback text)`` of ``exc``, for the wire."""
-    return type_name_of(type(exc)), str(exc), "".join(traceback.format_exception(exc))
+    """``(type name, message, traceback text)`` of ``exc``, for the wire.
+
+    Never raises: an exception whose ``__str__`` or ``__repr__`` raises is still
+    described by its type, what could be printed, and its frames.
+    """
+    message = _safe_str(exc)
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except Exception:
+        frames = traceback.format_tb(exc.__traceback__)
+        tb = "".join(["Traceback (most recent call last):\n", *frames])
+        tb += f"{type_name_of(type(exc))}: {message}\n"
+    return type_name_of(type(exc)), message, tb
 
 
 class ActorInstance:
@@ -286,7 +308,7 @@ class ActorInstance:
             try:
                 # one receiver: large buffers may go through shared memory
                 payload = _codec.dumps(result, shm=is_local(dest))
-            except TypeError as exc:
+            except Exception as exc:  # any pickling error is the call's, not the process's
                 failure = exc
             else:
                 data, lengths, parts = _wire.pack(payload.data, payload.buffers)

@@ -35,6 +35,7 @@ from anyio.abc import TaskGroup
 from .. import _codec, _wire
 from .._codec import Payload
 from .._errors import Failure, ProtocolError, SupervisionError
+from .._ratelog import RateLimitedLog
 from .._transport import Transport
 from ._calls import Calls, Pending
 from ._context import is_local, native_event_class, runtime_var
@@ -58,6 +59,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("amesh.runtime")
+#: dropped frames are counted in statistics(); the log gets one line per interval
+_drops = RateLimitedLog(log)
 
 
 class RuntimeStats(msgspec.Struct, frozen=True):
@@ -287,7 +290,7 @@ class Runtime:
             env, buffers = _wire.decode(frame)
         except _wire.BadFrame as exc:
             self._frames_dropped += 1
-            log.warning("dropped a malformed frame of %d bytes: %s", len(frame), exc)
+            _drops.warning("dropped a malformed frame of %d bytes: %s", len(frame), exc)
             return
         except _wire.BadVersion as exc:
             self._bad_version += 1
@@ -295,7 +298,7 @@ class Runtime:
                 f"protocol version {exc.version} is not supported by this runtime "
                 f"(it speaks version {_wire.VERSION})"
             )
-            log.warning("dropped a frame: %s", msg)
+            _drops.warning("dropped a frame: %s", msg)
             if exc.sender:
                 self.dispatch.reply_error(exc.sender, exc.call_id, exc.rank, ProtocolError, msg)
             return

@@ -1,0 +1,48 @@
+"""No single message or result takes a healthy process down."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import pytest
+
+from amesh import ActorError, ProcMesh
+from amesh._ratelog import RateLimitedLog
+
+from .actors import Awkward
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_errors_that_cannot_be_printed_or_pickled_reach_the_caller() -> None:
+    """An exception whose ``__str__`` and ``__repr__`` raise, and a result whose
+    pickling raises, each reach the caller as an ActorError; the worker lives on."""
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 1}) as procs:
+            a = await procs.spawn("a", Awkward)
+            pid = await a.ok.call_one()
+            with pytest.raises(ActorError) as info:
+                await a.raise_bad_str.call_one()
+            assert info.value.type_name.endswith("BadStr")
+            assert "str() raised RuntimeError" in info.value.message
+            assert "42" in info.value.message  # what could be recovered: the args
+            assert "raise_bad_str" in info.value.traceback
+            with pytest.raises(ActorError, match="refuses to be pickled"):
+                await a.unpicklable_result.call_one()
+            assert await a.ok.call_one() == pid  # the same process still serves
+
+
+def test_drop_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """A flood of malformed frames costs one log line per interval, with a count."""
+    log = logging.getLogger("amesh.test.ratelog")
+    limited = RateLimitedLog(log, interval=3600)
+    with caplog.at_level(logging.WARNING, logger="amesh.test.ratelog"):
+        for i in range(1000):
+            limited.warning("dropped frame %d", i)
+        assert [r.getMessage() for r in caplog.records] == ["dropped frame 0"]
+        limited._next = 0.0  # the interval is over
+        limited.warning("dropped frame %d", 1000)
+    assert caplog.records[-1].getMessage() == (
+        "dropped frame 1000 (and 999 more like it in the last 3600 s)"
+    )
