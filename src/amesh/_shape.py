@@ -172,7 +172,7 @@ class Shape:
                 out.append(rank)
         return out
 
-    def slice(self, **dims: int | slice) -> Shape:
+    def slice(self, /, **dims: int | slice) -> Shape:
         """A view: ``dim=int`` drops the dimension, ``dim=slice`` keeps it narrowed."""
         keep: dict[str, range] = {}
         labels: list[str] = []
@@ -213,7 +213,7 @@ class Shape:
         _check_label(name)
         return Shape([name], [len(self)], self.slots)
 
-    def rename(self, **names: str) -> Shape:
+    def rename(self, /, **names: str) -> Shape:
         """Rename dimensions: ``rename(gpus="dp")``."""
         for old in names:
             if old not in self.labels:
@@ -221,7 +221,7 @@ class Shape:
         labels = [names.get(n, n) for n in self.labels]
         return Shape(labels, self.sizes, self.slots)
 
-    def split(self, dim: str, **into: int) -> Shape:
+    def split(self, dim: str, /, **into: int) -> Shape:
         """Split ``dim`` into several, outermost first: ``split("gpus", dp=2, tp=-1)``.
 
         One of the new sizes may be ``-1`` and is inferred.

@@ -34,7 +34,7 @@ class MeshView:
     def __len__(self) -> int:
         return len(self._shape)
 
-    def slice(self: V, **dims: int | slice) -> V:
+    def slice(self: V, /, **dims: int | slice) -> V:
         """A view: ``dim=int`` drops the dimension, ``dim=slice(a, b)`` narrows it."""
         return self._with_shape(self._shape.slice(**dims))
 
@@ -42,11 +42,11 @@ class MeshView:
         """The same ranks as one dimension called ``name``."""
         return self._with_shape(self._shape.flatten(name))
 
-    def rename(self: V, **names: str) -> V:
+    def rename(self: V, /, **names: str) -> V:
         """Rename dimensions: ``rename(gpus="dp")``."""
         return self._with_shape(self._shape.rename(**names))
 
-    def split(self: V, dim: str, **into: int) -> V:
+    def split(self: V, dim: str, /, **into: int) -> V:
         """Split ``dim`` into new dimensions: ``split("gpus", dp=2, tp=-1)``."""
         return self._with_shape(self._shape.split(dim, **into))
 
@@ -78,7 +78,7 @@ class ValueMesh(MeshView, Generic[T]):
     def __iter__(self) -> Iterator[tuple[Point, T]]:
         return self.items()
 
-    def item(self, **coords: int) -> T:
+    def item(self, /, **coords: int) -> T:
         """The value at full coordinates ``coords`` (none needed on a single rank).
 
         Raises:
@@ -93,7 +93,9 @@ class ValueMesh(MeshView, Generic[T]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ValueMesh):
             return NotImplemented
-        return self.sizes == other.sizes and self.values() == other.values()
+        # dict equality ignores order: (a=2, b=3) and (b=3, a=2) are different meshes
+        same_dims = list(self.sizes.items()) == list(other.sizes.items())
+        return same_dims and self.values() == other.values()
 
     __hash__ = None  # type: ignore[assignment]
 
