@@ -65,7 +65,7 @@ def _transport(impl: str) -> Any:
         from amesh._transport import StreamTransport
 
         return StreamTransport("abstract")
-    from amesh._transport import NngTransport
+    from amesh._transport._nng import NngTransport
 
     return NngTransport("abstract")
 
@@ -246,6 +246,9 @@ async def ping(impl: str, addr: str, m: int) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
+    from amesh._transport._auth import adopt_key
+
+    adopt_key(bytes.fromhex(sys.stdin.readline()))  # the driver's job key comes first
     if args.pin:
         os.sched_setaffinity(0, {0})  # before NNG starts its threads: they inherit it
     role = args.role
@@ -262,13 +265,24 @@ def worker(args: argparse.Namespace) -> None:
 # -- driver side -----------------------------------------------------------------------
 
 
+def job_key() -> bytes:
+    from amesh._transport._auth import job_key
+
+    return job_key()
+
+
 def _spawn(role: str, impl: str, pin: bool, backend: str, **kw: Any) -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, "--role", role, "--use", impl, "--backend", backend]
     if pin:
         cmd.append("--pin")
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # The roles are one job: they share the driver's key, sent down the stdin pipe.
+    assert proc.stdin is not None
+    proc.stdin.write(job_key().hex() + "\n")
+    proc.stdin.flush()
+    return proc
 
 
 def _read(proc: subprocess.Popen[str]) -> dict[str, Any]:

@@ -15,7 +15,8 @@
  *   loop waits on that fd and drains the ring in batches.
  * - Message: owns one received nng_msg* and exposes its body through the buffer
  *   protocol (no copy); the nng_msg is freed when the Message and every view of
- *   it are gone.
+ *   it are gone. Its ``pipe`` is the id of the connection it came in on, so that
+ *   the caller can tell which peer sent it (and drop what an unproven one sent).
  * - send(): copies a buffer (or several, back to back) into a new nng_msg and
  *   hands it to NNG without waiting: nng_sendmsg with NNG_FLAG_NONBLOCK, which
  *   says "full" (False) at once. nng_send_aio was measured no cheaper for the
@@ -32,6 +33,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -51,6 +53,10 @@
 typedef struct nng_socket_s {
     uint32_t id;
 } nng_socket;
+
+typedef struct nng_pipe_s {
+    uint32_t id;
+} nng_pipe;
 
 typedef struct nng_aio nng_aio; /* opaque */
 typedef struct nng_msg nng_msg; /* opaque */
@@ -77,6 +83,7 @@ typedef struct {
     void *(*msg_body)(nng_msg *);
     size_t (*msg_len)(const nng_msg *);
     const char *(*strerror)(int);
+    nng_pipe (*msg_get_pipe)(const nng_msg *);
 } nng_api;
 
 /* Names for bind(), in the order of the fields of nng_api. */
@@ -84,7 +91,7 @@ static const char *const api_names[] = {
     "nng_aio_alloc",  "nng_aio_free",    "nng_aio_stop", "nng_aio_set_timeout",
     "nng_aio_result", "nng_aio_get_msg", "nng_recv_aio", "nng_sendmsg",
     "nng_msg_alloc",  "nng_msg_free",    "nng_msg_body", "nng_msg_len",
-    "nng_strerror",
+    "nng_strerror",   "nng_msg_get_pipe",
 };
 #define API_COUNT (sizeof(api_names) / sizeof(api_names[0]))
 _Static_assert(sizeof(nng_api) == API_COUNT * sizeof(void *), "api_names matches nng_api");
@@ -219,6 +226,7 @@ typedef struct {
     nng_msg *msg;
     char *body;
     Py_ssize_t len;
+    unsigned int pipe; /* the id of the pipe it came in on (the caller's policy) */
 } Message;
 
 static char empty_body[1];
@@ -234,6 +242,7 @@ Message_wrap(ext_state *st, nng_msg *msg)
     self->msg = msg;
     self->len = (Py_ssize_t)st->api.msg_len(msg);
     self->body = self->len ? (char *)st->api.msg_body(msg) : empty_body;
+    self->pipe = st->api.msg_get_pipe(msg).id;
     return (PyObject *)self;
 }
 
@@ -264,8 +273,15 @@ Message_len(Message *self)
     return self->len;
 }
 
+static PyMemberDef Message_members[] = {
+    {"pipe", T_UINT, offsetof(Message, pipe), READONLY,
+     "The id of the NNG pipe (connection) the message came in on."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyType_Slot Message_slots[] = {
     {Py_tp_doc, "One received NNG message; its body is readable through memoryview()."},
+    {Py_tp_members, Message_members},
     {Py_tp_dealloc, Message_dealloc},
     {Py_bf_getbuffer, Message_getbuffer},
     {Py_sq_length, Message_len},

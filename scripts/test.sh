@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run ruff, mypy and the whole test suite.
+# Set up (scripts/setup.sh), then run ruff, mypy, the layer check and the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,5 +9,7 @@ ruff check src tests examples bench
 ruff format --check src tests examples bench
 echo "== mypy"
 mypy
+echo "== layers (import-linter, see [tool.importlinter] in pyproject.toml)"
+lint-imports --no-logo
 echo "== pytest"
 python -m pytest "$@"

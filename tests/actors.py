@@ -431,3 +431,62 @@ class Awkward(Actor):
     @endpoint
     def ok(self) -> int:
         return os.getpid()
+
+
+class Ledger(Model):
+    """A :class:`Model` that also records who bumped it, in the order it ran the bumps,
+    and can be held inside a call (for the fault-injection state machines)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notes: list[tuple[int, int]] = []
+        self.holds = 0
+        self._held = anyio.Event()
+
+    @endpoint
+    def note(self, tag: int, seq: int) -> tuple[int, int]:
+        """Bump, recording ``(tag, seq)``: which sender's which message this was."""
+        self.count += 1
+        self.notes.append((tag, seq))
+        return self.rank, self.count
+
+    @endpoint
+    def take_notes(self) -> list[tuple[int, int]]:
+        """The notes recorded since the last time, in the order they ran."""
+        notes, self.notes = self.notes, []
+        return notes
+
+    async def _hold(self) -> None:
+        self.holds += 1
+        held, self._held = self._held, anyio.Event()
+        held.set()
+        await anyio.sleep_forever()
+
+    @endpoint(concurrent=True)
+    async def hold(self) -> None:
+        """Wait until cancelled (or the process dies)."""
+        await self._hold()
+
+    @endpoint
+    async def block(self) -> None:
+        """Wait until cancelled, keeping the (serial) mailbox busy meanwhile."""
+        await self._hold()
+
+    @endpoint(concurrent=True)
+    async def wait_holds(self, n: int) -> None:
+        """Return once ``n`` calls of :meth:`hold` or :meth:`block` have started here."""
+        while self.holds < n:
+            await self._held.wait()
+
+
+class Caller(Actor):
+    """Calls a mesh it was handed, which it does not own."""
+
+    @endpoint(concurrent=True)
+    async def call(self, other: ActorMesh[Any], method: str) -> tuple[str, Any]:
+        """``other.<method>.call_one()``: ``("ok", result)``, or the exception's type
+        name and message."""
+        try:
+            return "ok", await getattr(other, method).call_one()
+        except Exception as exc:
+            return type(exc).__name__, str(exc)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
 
 import amesh
 
@@ -26,3 +28,56 @@ def test_import_does_not_pull_in_torch_or_trio() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# Frames over the default transport, then a ProcMesh on it: pynng is in neither the
+# controller nor a worker (forked by the zygote, which preloads only what is chosen).
+_NO_PYNNG = textwrap.dedent(
+    """
+    import sys
+
+    import anyio
+
+    import amesh
+    from amesh._transport import StreamTransport, heartbeat_sender, open_transport
+
+
+    class Modules(amesh.Actor):
+        @amesh.endpoint
+        def loaded(self, name: str) -> bool:
+            return name in sys.modules
+
+
+    async def frames() -> None:
+        t = open_transport()
+        assert isinstance(t, StreamTransport), t
+        got: list[bytes] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(t.serve, lambda f: (got.append(bytes(f)), tg.cancel_scope.cancel()))
+            await t.send(t.address, b"ping")
+        beat = heartbeat_sender(t.address)
+        beat.close()
+        t.close()
+        assert got == [b"ping"], got
+
+
+    async def mesh() -> bool:
+        async with amesh.ProcMesh(per_host={"procs": 1}) as procs:
+            probe = await procs.spawn("probe", Modules)
+            return await probe.loaded.call_one("pynng")
+
+
+    anyio.run(frames)
+    assert "pynng" not in sys.modules, "the stream transport imported pynng"
+    assert amesh.run(mesh) is False, "a worker imported pynng"
+    assert "pynng" not in sys.modules, "a ProcMesh on the stream transport imported pynng"
+    """
+)
+
+
+def test_default_transport_does_not_pull_in_pynng() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("AMESH_TRANSPORT_IMPL", "AMESH_ZYGOTE")}
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_PYNNG], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr

@@ -7,8 +7,9 @@ import os
 import select
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -17,16 +18,18 @@ import pytest
 
 from amesh import _ext, _wire
 from amesh._transport import (
-    NngTransport,
     StreamTransport,
     Transport,
     TransportClosed,
+    _auth,
     heartbeat_sender,
     open_transport,
 )
 from amesh._transport import _stream_wire as wire
+from amesh._transport._base import FIRST_CONNECT_WINDOW
 from amesh._transport._ext import ExtTransport
-from amesh._transport._nng import _fresh_address, ipc_dir
+from amesh._transport._nng import NngTransport, _fresh_address
+from amesh._transport._paths import ipc_dir
 
 pytestmark = pytest.mark.anyio
 
@@ -50,59 +53,120 @@ class Impl:
             return wire.fresh_address("abstract")
         return _fresh_address("abstract", "")
 
-    @contextmanager
-    def raw_sender(self, addr: str) -> Iterator[Callable[[bytes], None]]:
-        """A foreign peer that sends frames to ``addr``."""
+    @asynccontextmanager
+    async def raw_sender(self, addr: str, proven: bool = True) -> AsyncIterator[RawPeer]:
+        """A foreign peer that sends frames to ``addr``: one of this job that speaks the
+        handshake by hand (``proven``), or one that skips it."""
         if not self.stream:
-            with pynng.Push0(dial=addr) as push:
-                yield push.send
+            gone = threading.Event()
+            with pynng.Push0() as push:
+                push.add_post_pipe_remove_cb(lambda pipe: gone.set())
+                push.dial(addr, block=True)
+                if proven:
+                    push.send(_auth.hello(addr, "raw"))
+                yield RawPeer(push.send, gone)
             return
         family, sockaddr = wire.parse_address(addr)
         with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
             sock.connect(sockaddr)
-            yield lambda frame: sock.sendall(struct.pack("<I", len(frame)) + frame)
+            # the listener may run on this thread's event loop: wait for it elsewhere
+            challenge = await anyio.to_thread.run_sync(recv_exact, sock, _auth.CHALLENGE_LEN)
+            if proven:
+                sock.sendall(_auth.answer(challenge, addr, "raw"))
+            yield RawPeer(lambda frame: sock.sendall(struct.pack("<I", len(frame)) + frame), sock)
 
     @asynccontextmanager
     async def raw_receiver(self, addr: str) -> AsyncIterator[Callable[[], Any]]:
         """A foreign peer listening on ``addr``; yields ``await take()`` for a frame."""
         if not self.stream:
             with pynng.Pull0(listen=addr) as pull:
+                hellos = _auth.HelloCheck(addr)
+                proven: set[int] = set()
 
                 async def take_nng() -> bytes:
                     while True:
                         try:
-                            return pull.recv(block=False)  # type: ignore[no-any-return]
+                            msg = pull.recv_msg(block=False)
                         except pynng.TryAgain:
                             await anyio.wait_readable(pull.recv_fd)
+                            continue
+                        if msg.pipe.id in proven:
+                            return msg.bytes  # type: ignore[no-any-return]
+                        hellos.check(msg.bytes)  # the first message of a pipe
+                        proven.add(msg.pipe.id)
 
                 yield take_nng
             return
         family, sockaddr = wire.parse_address(addr)
-        frames: list[bytes] = []
-        reader = wire.Reader(2**31, frames.append)
-        conns: list[socket.socket] = []
+        tx, rx = anyio.create_memory_object_stream[bytes](math.inf)
+        reader = wire.Reader(2**31, lambda frame: tx.send_nowait(bytes(frame)))
+
+        async def accept(lsock: socket.socket) -> None:
+            """Take one connection, challenge it, and read its frames."""
+            await anyio.wait_readable(lsock)
+            conn, _ = lsock.accept()
+            with conn:
+                conn.setblocking(False)
+                gate = _auth.Gate(addr)
+                conn.sendall(gate.challenge)
+                rest = None
+                while rest is None:
+                    await anyio.wait_readable(conn)
+                    n = conn.recv_into(gate.get_buffer())
+                    assert n, "the link closed its connection"
+                    rest = gate.buffer_updated(n)
+                reader.get_buffer()[: len(rest)] = rest
+                reader.buffer_updated(len(rest))
+                while True:
+                    await anyio.wait_readable(conn)
+                    n = conn.recv_into(reader.get_buffer())
+                    assert n, "the link closed its connection"
+                    reader.buffer_updated(n)
+
         with socket.socket(family, socket.SOCK_STREAM) as lsock:
             lsock.bind(sockaddr)
             lsock.listen()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(accept, lsock)
+                yield rx.receive
+                tg.cancel_scope.cancel()
 
-            async def take_stream() -> bytes:
-                while not frames:
-                    if not conns:
-                        await anyio.wait_readable(lsock)
-                        conn, _ = lsock.accept()
-                        conn.setblocking(False)
-                        conns.append(conn)
-                    await anyio.wait_readable(conns[0])
-                    n = conns[0].recv_into(reader.get_buffer())
-                    assert n, "the link closed its connection"
-                    reader.buffer_updated(n)
-                return bytes(frames.pop(0))
 
+class RawPeer:
+    """What :meth:`Impl.raw_sender` yields: call it with a frame to send it."""
+
+    def __init__(self, send: Callable[[bytes], Any], ends: socket.socket | threading.Event):
+        self._send = send
+        self._ends = ends
+
+    def __call__(self, frame: bytes) -> None:
+        self._send(frame)
+
+    async def closed(self) -> None:
+        """Wait until the listener has closed the connection (or NNG pipe)."""
+        ends = self._ends
+        if isinstance(ends, threading.Event):
+            assert await anyio.to_thread.run_sync(ends.wait, 10), "the pipe is still open"
+            return
+        ends.setblocking(False)
+        while True:
+            await anyio.wait_readable(ends)
             try:
-                yield take_stream
-            finally:
-                for conn in conns:
-                    conn.close()
+                if not ends.recv(4096):
+                    return
+            except ConnectionResetError:
+                return
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from a blocking ``sock``."""
+    data = b""
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        assert got, "the peer closed the connection"
+        data += got
+    return data
 
 
 IMPLS = [
@@ -153,6 +217,27 @@ class Inbox:
 
     async def take(self, n: int) -> list[bytes]:
         return [await self._rx.receive() for _ in range(n)]
+
+
+async def serve_until_closed(t: Transport, deliver: Callable[[Any], None]) -> None:
+    with pytest.raises(TransportClosed):
+        await t.serve(deliver)
+
+
+class Lost:
+    """A lost handler that records what it hears, and lets a test wait for it."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, str]] = []
+        self._heard = anyio.Event()
+
+    def __call__(self, addr: str, why: str) -> None:
+        self.reports.append((addr, why))
+        self._heard.set()
+
+    async def wait(self) -> None:
+        await self._heard.wait()
+        self._heard = anyio.Event()
 
 
 def fill(t: Transport, addr: str, limit: int = 1_000_000) -> int:
@@ -251,7 +336,7 @@ async def test_bad_frames(make: Factory) -> None:
             await a.send(b.address, good)
             got = await inbox.take(len(garbage) + 1)
             # The same from a foreign, raw peer.
-            with make.impl.raw_sender(b.address) as raw_send:
+            async with make.impl.raw_sender(b.address) as raw_send:
                 for frame in garbage:
                     raw_send(frame)
                 raw_send(good)
@@ -285,6 +370,8 @@ async def test_max_frame(make: Factory) -> None:
 
 async def test_peer_death(make: Factory) -> None:
     a, b, c, inbox = make(), make(), make(), Inbox()
+    lost = Lost()
+    a.set_lost_handler(lost)
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(b.serve, inbox.deliver)
@@ -292,7 +379,10 @@ async def test_peer_death(make: Factory) -> None:
             assert await inbox.take(1) == [b"hello"]
             tg.cancel_scope.cancel()
         b.close()
-        # Sends to the dead peer fill the link and then wait; none fails or crashes.
+        await lost.wait()  # the link broke, and is dropped
+        assert a.statistics().peers == 0
+        # Sends to the dead peer dial afresh, fill the link and then wait (for as long
+        # as a first connect may take); none fails or crashes.
         fill(a, b.address)
         with anyio.move_on_after(0.2):
             await a.send(b.address, b"maybe")
@@ -349,6 +439,80 @@ async def test_close_while_delivering(make: Factory) -> None:
         with pytest.raises(TransportClosed):
             await b.serve(deliver)
     assert seen[0] == b"\x00"
+
+
+async def test_lost_links_are_reported(make: Factory) -> None:
+    """The end of an established link is reported at once, and the link dropped; one
+    closed by forget() or close() is not reported."""
+    a, b, c, inbox = make(), make(), make(), Inbox()
+    lost = Lost()
+    a.set_lost_handler(lost)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for t in (a, b, c):
+                tg.start_soon(serve_until_closed, t, inbox.deliver)
+            await a.send(b.address, b"to b")
+            await a.send(c.address, b"to c")
+            assert sorted(await inbox.take(2)) == [b"to b", b"to c"]
+            a.forget(c.address)  # reports nothing, even when c goes
+            c.close()
+            b.close()
+            await lost.wait()
+            assert [addr for addr, _ in lost.reports] == [b.address]
+            assert a.statistics().peers == 0
+            tg.cancel_scope.cancel()
+    a.close()
+    assert len(lost.reports) == 1
+
+
+async def test_a_listener_that_never_comes_is_reported(make: Factory) -> None:
+    """A first connect is tried for a short while (the listener may not listen yet),
+    then reported; senders waiting on the link are woken."""
+    a, addr = make(), make.impl.nowhere()
+    lost = Lost()
+    a.set_lost_handler(lost)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.serve, Inbox().deliver)
+            start = anyio.current_time()
+            a.try_send(addr, b"lost")
+            await lost.wait()
+            took = anyio.current_time() - start
+            tg.cancel_scope.cancel()
+    assert lost.reports[0][0] == addr and "connect" in lost.reports[0][1], lost.reports
+    assert FIRST_CONNECT_WINDOW <= took < FIRST_CONNECT_WINDOW + 2, took
+    assert a.statistics().peers == 0
+
+
+@pytest.mark.parametrize("proof", ["none", "wrong key", "garbage"])
+async def test_unproven_peers_are_refused(make: Factory, proof: str) -> None:
+    """A peer that does not prove it holds the job key is refused and counted; nothing
+    it sent is delivered, and proven peers go on."""
+    a, b, inbox = make(), make(), Inbox()
+    frame = _wire.join(_wire.encode(_wire.Reply(1, 0, b"forged")))
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.serve, inbox.deliver)
+            if proof == "wrong key":
+                key = _auth.job_key()
+                _auth.adopt_key(bytes(32))
+                try:
+                    async with make.impl.raw_sender(b.address) as raw:
+                        _auth.adopt_key(key)
+                        raw(frame)
+                        await raw.closed()
+                finally:
+                    _auth.adopt_key(key)
+            else:
+                async with make.impl.raw_sender(b.address, proven=False) as raw:
+                    raw(b"\xff" * 100 if proof == "garbage" else frame)
+                    await raw.closed()
+            assert b.statistics().auth_refused >= 1
+            await a.send(b.address, b"proven")
+            assert await inbox.take(1) == [b"proven"]
+            tg.cancel_scope.cancel()
+    assert [bytes(f) for f in inbox.kept] == [b"proven"]
+    assert b.statistics().frames_received == 1
 
 
 # -- cancellation ------------------------------------------------------------------------
@@ -513,9 +677,16 @@ async def test_stream_drops_a_peer_that_breaks_the_framing(make_stream: Factory)
     family, sockaddr = wire.parse_address(b.address)
     with socket.socket(family, socket.SOCK_STREAM) as raw, anyio.fail_after(30):
         raw.connect(sockaddr)
-        raw.sendall(struct.pack("<I", 5) + b"fine!" + struct.pack("<I", 101) + b"x" * 101)
         async with anyio.create_task_group() as tg:
             tg.start_soon(b.serve, inbox.deliver)
+            challenge = await anyio.to_thread.run_sync(recv_exact, raw, _auth.CHALLENGE_LEN)
+            raw.sendall(
+                _auth.answer(challenge, b.address, "raw")
+                + struct.pack("<I", 5)
+                + b"fine!"
+                + struct.pack("<I", 101)
+                + b"x" * 101
+            )
             assert await inbox.take(1) == [b"fine!"]
             raw.setblocking(False)
             await anyio.wait_readable(raw)
@@ -528,24 +699,24 @@ async def test_stream_drops_a_peer_that_breaks_the_framing(make_stream: Factory)
             tg.cancel_scope.cancel()
 
 
-async def test_stream_redials_a_peer_that_comes_back(make_stream: Factory) -> None:
+async def test_stream_link_waits_for_a_listener_that_comes_late(make_stream: Factory) -> None:
+    """A first connect is tried again while the listener is not there yet; once the
+    connection broke, the link is dropped and a later send dials afresh."""
     a = make_stream()
     impl = make_stream.impl
     addr = impl.nowhere()
+    lost = Lost()
+    a.set_lost_handler(lost)
     with anyio.fail_after(30):
+        await a.send(addr, b"early")  # nobody listens yet
         async with impl.raw_receiver(addr) as take:
-            await a.send(addr, b"first")
-            assert await take() == b"first"
-        # The peer is gone; frames wait for it (or go into the dying connection).
-        for i in range(3):
-            await a.send(addr, bytes([i]))
+            assert await take() == b"early"
+        await lost.wait()  # the receiver closed its end
+        assert lost.reports == [(addr, "the peer closed the connection")]
+        assert a.statistics().peers == 0
         async with impl.raw_receiver(addr) as take:
             await a.send(addr, b"again")
-            got = [await take()]
-            while got[-1] != b"again":
-                got.append(await take())
-        assert got[-1] == b"again"
-        assert got[:-1] == [bytes([i]) for i in range(3)][-len(got) + 1 :][: len(got) - 1]
+            assert await take() == b"again"
 
 
 async def test_stream_deliver_failure_loses_nothing_else(make_stream: Factory) -> None:
@@ -587,29 +758,35 @@ async def test_stream_forget_wakes_waiting_senders(make_stream: Factory) -> None
 @pytest.mark.parametrize("kind", ["nng", "stream"])
 async def test_heartbeat_sender(kind: str) -> None:
     """The blocking sender the worker's heartbeat thread uses, for both kinds of
-    address: it sends, drops rather than block, and dials again."""
+    address: it proves itself, sends, drops rather than block, and dials again. It
+    blocks for its handshake, so it runs in a thread here as in a worker."""
     t = NngTransport("abstract") if kind == "nng" else StreamTransport("abstract")
     inbox = Inbox()
-    sender = heartbeat_sender(t.address)
+    sender = heartbeat_sender(t.address, own="stream+abstract://beating")
+
+    async def send(frame: bytes) -> bool:
+        return await anyio.to_thread.run_sync(sender.send, frame)
+
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(t.serve, inbox.deliver)
-                assert sender.send(b"beat")
+                assert await send(b"beat")
                 assert await inbox.take(1) == [b"beat"]
                 tg.cancel_scope.cancel()
+        assert t.statistics().auth_refused == 0
     finally:
         t.close()
     if kind == "stream":
         sender.close()
         sender = heartbeat_sender(t.address)
-        assert not sender.send(b"beat")  # nobody listens: dropped at once
+        assert not await send(b"beat")  # nobody listens: dropped at once
         sender.close()
         addr = wire.fresh_address("abstract")
         sender = heartbeat_sender(addr)
-        assert not sender.send(b"beat")
+        assert not await send(b"beat")
         async with Impl(StreamTransport, True).raw_receiver(addr) as take:
-            assert sender.send(b"beat")  # dialled again
+            assert await send(b"beat")  # dialled again
             with anyio.fail_after(5):
                 assert await take() == b"beat"
     sender.close()

@@ -3,8 +3,10 @@
 The public API is re-exported here from private modules; the layers, lowest first:
 ``_transport`` (frames between processes), ``_wire``/``_codec`` (envelopes, payloads),
 ``_runtime`` (router, mailboxes, pending calls), then the user-facing model
-(``_actor``, ``_endpoint``, ``_actor_mesh``, ``_proc_mesh``) and ``_hosts`` (where
-processes come from). Lower layers never import higher ones.
+(``_actor``, ``_endpoint``, ``_actor_mesh``, ``_proc_mesh``), ``_worker`` (a worker's
+main) and ``_hosts`` (where processes come from). Lower layers never import higher
+ones, not even inside a function; ``lint-imports`` checks it (``[tool.importlinter]``
+in pyproject.toml).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._endpoint import MeshEndpoint
 from ._runtime._runtime import Tree
@@ -12,11 +12,16 @@ from ._value_mesh import MeshView
 
 if TYPE_CHECKING:
     from ._actor import Actor
-    from ._proc_mesh import ProcMesh
 
 __all__ = ["ActorMesh"]
 
 A = TypeVar("A", bound="Actor")
+
+
+class MeshOwner(Protocol):
+    """What spawned an actor mesh and stops it: its ProcMesh, a layer above this one."""
+
+    async def _stop_actor_mesh(self, mesh: ActorMesh[Any]) -> None: ...
 
 
 class ActorMesh(MeshView, Generic[A]):
@@ -48,7 +53,7 @@ class ActorMesh(MeshView, Generic[A]):
         #: the relay tree's fan-out (below 2: every rank is sent to directly)
         self._fanout = fanout
         #: the ProcMesh that spawned it, in the owner's process only
-        self._owner: ProcMesh | None = None
+        self._owner: MeshOwner | None = None
 
     def _with_shape(self, shape: Shape) -> ActorMesh[A]:
         view = ActorMesh(self.name, self.key, self.actor_class, shape, self._procs, self._fanout)

@@ -38,6 +38,8 @@ from typing import Any
 
 import cloudpickle
 
+from ._codec_tensor import reduce_tensor
+
 __all__ = [
     "OOB_THRESHOLD",
     "SHM_THRESHOLD",
@@ -89,10 +91,9 @@ class Payload:
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
+        # Never imports torch: a tensor exists only where torch was imported already.
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
-            from .torch._tensor import reduce_tensor
-
             return reduce_tensor(obj)
         return super().reducer_override(obj)
 

@@ -40,6 +40,10 @@ def send(socket: int, data: Buffer | Iterable[Buffer], /) -> bool:
 class Message(Buffer):
     """One received NNG message; ``memoryview(msg)`` is its body (read-only, no copy)."""
 
+    @property
+    def pipe(self) -> int:
+        """The id of the NNG pipe (connection) the message came in on."""
+
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __len__(self) -> int: ...
 

@@ -39,7 +39,7 @@ from ._actor import Actor
 from ._actor_mesh import ActorMesh
 from ._config import default_fanout, default_transport, env_float
 from ._errors import ActorError, Failure, SupervisionError
-from ._hosts._local import Host, this_host
+from ._mesh._host import Host, default_host
 from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned
 from ._mesh._supervisor import MeshSupervisor
 from ._proc_agent import AGENT_KEY, ProcAgent
@@ -102,7 +102,7 @@ class ProcMesh(MeshView):
         if self._fanout < 0 or self._fanout == 1:
             raise ValueError(f"fanout must be 0 (no tree) or at least 2, got {self._fanout}")
         self._shape = Shape.from_sizes(per_host if per_host is not None else {"procs": 1})
-        self._host: Host = host or this_host()
+        self._host: Host = host or default_host()
         self._env = dict(env or {})
         self._supervise = supervise
         self._hb_period = heartbeat_period or env_float("AMESH_HEARTBEAT_PERIOD", 0.5)

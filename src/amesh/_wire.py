@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 
+from ._transport._frame import Frame, frame_size, join
+
 __all__ = [
     "MAGIC",
     "VERSION",
@@ -284,10 +286,6 @@ class BadVersion(Exception):
         self.rank = rank
 
 
-#: A frame as handed to a transport: one buffer, or parts to be sent back to back.
-Frame = bytes | list[bytes | memoryview]
-
-
 def encode(env: Envelope, buffers: list[Any] | None = None) -> Frame:
     """Encode ``env`` (and the out-of-band ``buffers`` its ``buffers`` field lists).
 
@@ -319,21 +317,6 @@ def unpack(payload: bytes, buffers: list[Any]) -> tuple[Any, list[Any]]:
     if payload or not buffers:
         return payload, buffers
     return buffers[0], buffers[1:]
-
-
-def join(frame: Frame | memoryview) -> bytes:
-    """One bytes object for a frame (copies the parts of a multi-part frame)."""
-    if isinstance(frame, bytes):
-        return frame
-    if isinstance(frame, list):
-        return b"".join(frame)
-    return bytes(frame)
-
-
-def frame_size(frame: Frame) -> int:
-    if isinstance(frame, list):
-        return sum(memoryview(p).nbytes for p in frame)
-    return len(frame)
 
 
 def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:

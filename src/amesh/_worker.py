@@ -7,6 +7,12 @@ pipe closes (which also covers platforms without prctl). An exec'd worker's pare
 the controller, which holds that end. A forked worker's parent is the zygote, and its
 stdin is the zygote's lifeline pipe, whose write end only the controller holds: it
 dies with the zygote, and with the controller even if the zygote is gone.
+
+The worker learns what it needs (:class:`~amesh._bootstrap.Bootstrap`, with the job
+key) over a private channel: an exec'd worker reads it from the start of its stdin
+pipe, before it watches that pipe; a forked one gets it from the zygote's request. It
+adopts the key before it opens its transport, and proves itself with it to every peer
+it connects to (see :mod:`amesh._transport._auth`).
 """
 
 from __future__ import annotations
@@ -22,16 +28,16 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import anyio
-import msgspec
 
 from . import _wire
 from ._actor import handlers_of
-from ._hosts._local import Bootstrap
+from ._bootstrap import Bootstrap, read_bootstrap
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime._context import call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
 from ._transport import Transport, heartbeat_sender, open_transport
+from ._transport._auth import adopt_key
 
 _PR_SET_PDEATHSIG = 1
 
@@ -61,7 +67,7 @@ def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
 def _send_heartbeats(boot: Bootstrap, addr: str, stop: threading.Event) -> None:
     """Tell the parent we are alive, from a thread: a busy event loop is not dead."""
     frame = _wire.join(_wire.encode(_wire.Heartbeat(addr, os.getpid())))
-    sender = heartbeat_sender(boot.parent)
+    sender = heartbeat_sender(boot.parent, own=addr)
     try:
         while not stop.wait(boot.heartbeat_period):
             sender.send(frame)  # False: the parent is slow or away; a later beat will do
@@ -121,8 +127,15 @@ async def _serve(boot: Bootstrap) -> None:
     )
 
 
-def main() -> None:
-    boot = msgspec.json.decode(os.environ.pop("AMESH_BOOTSTRAP"), type=Bootstrap)
+def main(boot: Bootstrap | None = None) -> None:
+    """Run the worker: with ``boot`` from the zygote, else read from stdin (exec'd)."""
+    if boot is None:
+        try:
+            boot = read_bootstrap(0)
+        except (EOFError, ValueError, OSError) as exc:
+            print(f"amesh worker: no bootstrap on stdin: {exc}", file=sys.stderr)
+            os._exit(1)
+    adopt_key(boot.key)
     # A terminal's Ctrl-C reaches the whole process group; the controller decides
     # what it means and stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from ._local import Host, LocalHost, ProcHandle, this_host
+from .._mesh._host import Host, ProcHandle
+from ._local import LocalHost, this_host
 
 __all__ = ["Host", "LocalHost", "ProcHandle", "this_host"]

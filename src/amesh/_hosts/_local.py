@@ -12,112 +12,34 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
 import uuid
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 import sniffio
 
 from .. import _wire
+from .._bootstrap import Bootstrap
 from .._errors import SupervisionError
+from .._mesh._host import ProcessLike, ProcHandle, describe_exit, set_default_host
+from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
+from .._transport._auth import job_key
 
 if TYPE_CHECKING:
-    from .._proc_mesh import ProcMesh
     from ._zygote import Zygote
 
-__all__ = [
-    "Host",
-    "LocalHost",
-    "ProcHandle",
-    "ProcessLike",
-    "ReadyWaiter",
-    "describe_exit",
-    "this_host",
-]
+__all__ = ["LocalHost", "ReadyWaiter", "this_host"]
 
 #: How long a worker may take from exec (or fork) to listening.
 STARTUP_TIMEOUT = 60.0
 
 log = logging.getLogger("amesh.hosts")
-
-
-class Bootstrap(msgspec.Struct, frozen=True):
-    """What a worker needs to know at start, passed in ``AMESH_BOOTSTRAP``."""
-
-    parent: str
-    parent_pid: int
-    token: str
-    scheme: str
-    host: str
-    sys_path: list[str]
-    heartbeat_period: float
-    #: whether the worker may ask for the kernel's parent-death signal
-    pdeathsig: bool
-
-
-def describe_exit(returncode: int) -> str:
-    """``"exited with code 3"`` or ``"was killed by SIGKILL"``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
-
-
-class ProcessLike(Protocol):
-    """What a host hands back for a worker: an OS process or a stand-in for one."""
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
-
-    def kill(self) -> None: ...
-
-    def terminate(self) -> None: ...
-
-    async def aclose(self) -> None: ...
-
-
-class ProcHandle:
-    """One worker process: its address, pid and OS handle."""
-
-    def __init__(self, addr: str, pid: int, process: ProcessLike) -> None:
-        self.addr = addr
-        self.pid = pid
-        self.process = process
-        self.expected_exit = False
-        #: a failure of this process was already reported
-        self.failed = False
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.returncode
-
-    async def stop(self, grace: float) -> None:
-        """Wait ``grace`` seconds for a requested exit, then terminate, then kill."""
-        proc = self.process
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(grace):
-                await proc.wait()
-            if proc.returncode is None:
-                proc.terminate()
-                with anyio.move_on_after(2.0):
-                    await proc.wait()
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            await proc.aclose()
 
 
 class ReadyWaiter:
@@ -143,22 +65,6 @@ class ReadyWaiter:
         self._rt.ready_waiters.pop(self.token, None)
 
 
-class Host(Protocol):
-    """Where a ProcMesh's processes come from (this machine, later agents and SLURM)."""
-
-    async def start_proc(
-        self,
-        rt: Runtime,
-        scheme: str,
-        host: str,
-        env: Mapping[str, str] | None = None,
-        *,
-        heartbeat_period: float = 0.5,
-    ) -> ProcHandle:
-        """Start one worker that reports Ready to ``rt`` and heartbeats to it."""
-        ...
-
-
 class LocalHost:
     """This machine. ``spawn_procs`` gives a :class:`~amesh.ProcMesh` on it."""
 
@@ -167,8 +73,6 @@ class LocalHost:
 
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, **kwargs: Any) -> ProcMesh:
         """A :class:`~amesh.ProcMesh` of processes on this host; enter it to start them."""
-        from .._proc_mesh import ProcMesh
-
         return ProcMesh(per_host, host=self, **kwargs)
 
     async def start_proc(
@@ -249,15 +153,30 @@ async def _exec_worker(
         and threading.current_thread() is threading.main_thread()
     )
     boot = Bootstrap(
-        rt.address, os.getpid(), token, scheme, host, list(sys.path), heartbeat_period, pdeathsig
+        rt.address,
+        os.getpid(),
+        token,
+        scheme,
+        host,
+        list(sys.path),
+        heartbeat_period,
+        pdeathsig,
+        key=job_key(),
     )
     process = await anyio.open_process(
         [sys.executable, "-m", "amesh._worker"],
         stdin=subprocess.PIPE,
         stdout=None,
         stderr=None,
-        env={**child_env, "AMESH_BOOTSTRAP": msgspec.json.encode(boot).decode()},
+        env=child_env,
     )
+    # The bootstrap holds the job key: it goes down the stdin pipe (private to the
+    # two of us), never into the environment, which others may read in /proc.
+    assert process.stdin is not None
+    try:
+        await process.stdin.send(boot.to_pipe())
+    except (anyio.BrokenResourceError, OSError):
+        pass  # it died at once; the start-up watch reports how
     return process, process.pid
 
 
@@ -275,13 +194,19 @@ async def _fork_worker(
 
     # The zygote forks from its only thread, which lives as long as it does.
     boot = Bootstrap(
-        rt.address, zygote.pid, token, scheme, host, list(sys.path), heartbeat_period, True
+        rt.address,
+        zygote.pid,
+        token,
+        scheme,
+        host,
+        list(sys.path),
+        heartbeat_period,
+        True,
+        key=job_key(),
     )
     try:
         cwd = os.getcwd()
-        process = await zygote.spawn(
-            {**child_env, "AMESH_BOOTSTRAP": msgspec.json.encode(boot).decode()}, cwd
-        )
+        process = await zygote.spawn(child_env, cwd, boot)
     except (ZygoteError, OSError) as exc:
         log.warning("starting a worker without the zygote: %s", exc)
         return None, 0
@@ -328,6 +253,8 @@ async def _zygote_for(rt: Runtime, child_env: Mapping[str, str]) -> Zygote | Non
 
 
 _THIS_HOST = LocalHost()
+# ProcMesh sits below this layer and cannot import it: tell it which host is the default.
+set_default_host(_THIS_HOST)
 
 
 def this_host() -> LocalHost:

@@ -17,7 +17,9 @@ differs from the zygote's there is exec'd as before. Workers forked from one zyg
 share its hash seed.
 
 Protocol: a ``SOCK_SEQPACKET`` socket pair (a message per request, descriptors
-attached with SCM_RIGHTS). The zygote sends :class:`Hello` once its imports are done,
+attached with SCM_RIGHTS); the zygote listens on no socket. A request carries the
+worker's bootstrap, job key included: it reaches the child in memory, never in its
+environment. The zygote sends :class:`Hello` once its imports are done,
 :class:`Spawned` with a pidfd of each child, :class:`SpawnFailed`, and :class:`Exited`
 after it reaped a child. The controller sends :class:`Spawn` with its own stdout and
 stderr (they become the child's, as an exec'd worker inherits them), and shuts its end
@@ -68,6 +70,9 @@ from typing import Any
 import anyio
 import msgspec
 
+from .._bootstrap import Bootstrap
+from .._transport import default_impl
+
 __all__ = [
     "Exited",
     "Hello",
@@ -95,7 +100,10 @@ _MAX_REQUEST = 1 << 20
 _PR_SET_PDEATHSIG = 1
 #: What a worker imports, so that its children need not: optional ones may be missing.
 _PRELOAD = ("amesh._worker", "anyio._backends._asyncio", "cloudpickle")
-_PRELOAD_OPTIONAL = ("uvloop", "amesh._transport._ext")
+_PRELOAD_OPTIONAL = ("uvloop",)
+#: The NNG transports (pynng, the C extension): preloaded only where they are chosen, as
+#: workers on the default stream transport never import them.
+_PRELOAD_NNG = "amesh._transport._ext"
 
 
 # -- messages -------------------------------------------------------------------------
@@ -116,11 +124,13 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
 
 
 class Spawn(msgspec.Struct, frozen=True, tag=True):
-    """Fork a worker with this environment and working directory."""
+    """Fork a worker with this environment, working directory and bootstrap (which
+    holds the job key, so it stays out of the environment)."""
 
     id: int
     env: dict[str, str]
     cwd: str
+    boot: Bootstrap
 
 
 class Spawned(msgspec.Struct, frozen=True, tag=True):
@@ -333,8 +343,8 @@ class Zygote:
             raise
         return zygote
 
-    async def spawn(self, env: dict[str, str], cwd: str) -> ZygoteProcess:
-        """Fork a worker with this environment and working directory.
+    async def spawn(self, env: dict[str, str], cwd: str, boot: Bootstrap) -> ZygoteProcess:
+        """Fork a worker with this environment, working directory and bootstrap.
 
         Raises:
             ZygoteError: the zygote is gone or could not fork; exec the worker instead.
@@ -342,7 +352,7 @@ class Zygote:
         if not self.usable:
             raise ZygoteError("the zygote has exited")
         rid = next(self._ids)
-        data = msgspec.msgpack.encode(Spawn(rid, env, cwd))
+        data = msgspec.msgpack.encode(Spawn(rid, env, cwd, boot))
         if len(data) > _MAX_REQUEST:
             raise ZygoteError("the environment is too large for a zygote request")
         req = self._requests[rid] = _Request()
@@ -581,7 +591,10 @@ def _shutdown(ctl: socket.socket, children: dict[int, int]) -> None:
 def _preload() -> None:
     for name in _PRELOAD:
         importlib.import_module(name)
-    for name in _PRELOAD_OPTIONAL:
+    optional = list(_PRELOAD_OPTIONAL)
+    if default_impl() != "stream":
+        optional.append(_PRELOAD_NNG)
+    for name in optional:
         try:
             importlib.import_module(name)
         except ImportError:
@@ -613,7 +626,7 @@ def main() -> None:
     from .. import _worker
 
     sys.argv[:] = [_worker.__file__ or "amesh._worker"]
-    _worker.main()
+    _worker.main(req.boot)
 
 
 if __name__ == "__main__":

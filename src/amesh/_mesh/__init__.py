@@ -1,4 +1,5 @@
-"""The parts behind :class:`~amesh.ProcMesh`: process lifecycle and supervision.
+"""The parts behind :class:`~amesh.ProcMesh`: process lifecycle, supervision, and the
+Host interface it starts its processes through (:mod:`._host`).
 
 ``amesh._proc_mesh.ProcMesh`` is the small user-facing facade over them.
 """

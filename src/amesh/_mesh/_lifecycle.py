@@ -13,11 +13,11 @@ from .. import _codec
 from .._actor_mesh import ActorMesh
 from .._config import default_transport
 from .._errors import ActorError, Failure, SupervisionError
-from .._hosts._local import Host, ProcHandle
 from .._proc_agent import AGENT_KEY, ProcAgent
 from .._runtime._runtime import Runtime
 from .._shape import Shape
 from .._supervision import RestartPolicy, RestartWindow
+from ._host import Host, ProcHandle
 
 __all__ = [
     "EXIT_GRACE",

@@ -16,10 +16,10 @@ import anyio
 
 from .. import _codec
 from .._errors import Failure
-from .._hosts._local import ProcHandle, describe_exit
 from .._runtime._mailbox import ActorInstance
 from .._supervision import Supervisor, call_hook, call_supervisor
 from .._wire import FailureReport
+from ._host import ProcHandle, describe_exit
 from ._lifecycle import FAILED_STOP_TIMEOUT, Lifecycle, MeshState, failure_of
 
 __all__ = ["LINK_LOSS_GRACE", "STALL_SLACK", "MeshSupervisor", "pid_alive"]

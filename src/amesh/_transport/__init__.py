@@ -1,19 +1,24 @@
-"""Transports move opaque frames between processes; they know nothing of actors."""
+"""Transports move opaque frames between processes; they know nothing of actors.
+
+Every connection proves that its dialer holds the job key before anything it sends is
+decoded (:mod:`._auth`), and a link that breaks is reported to the owner
+(``set_lost_handler``).
+
+The NNG transports (:mod:`._nng`, :mod:`._ext`) are imported only when one is chosen
+or an NNG address is dialled: with the default stream transport, pynng is never
+imported.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Protocol
 
-import pynng
-
 from ._base import Transport, TransportClosed, TransportStats
-from ._nng import NngTransport
 from ._stream import StreamBeat, StreamTransport, is_stream_address
 
 __all__ = [
     "HeartbeatSender",
-    "NngTransport",
     "StreamTransport",
     "Transport",
     "TransportClosed",
@@ -72,6 +77,8 @@ def open_transport(
         from ._ext import ExtTransport
 
         return ExtTransport(scheme, host=host)
+    from ._nng import NngTransport
+
     return NngTransport(scheme, host=host)
 
 
@@ -95,27 +102,13 @@ class HeartbeatSender(Protocol):
         ...
 
 
-class _NngBeat:
-    """A Push0 socket that drops a frame rather than wait (NNG redials by itself)."""
-
-    def __init__(self, addr: str) -> None:
-        self._sock = pynng.Push0(dial=addr, send_buffer_size=4, send_timeout=1000)
-
-    def send(self, frame: bytes) -> bool:
-        try:
-            self._sock.send(frame, block=False)
-        except pynng.TryAgain:
-            return False
-        return True
-
-    def close(self) -> None:
-        self._sock.close()
-
-
-def heartbeat_sender(addr: str) -> HeartbeatSender:
+def heartbeat_sender(addr: str, own: str = "") -> HeartbeatSender:
     """A blocking sender of small frames to ``addr`` (an NNG or a stream transport's
     address), for a plain thread: sends never block for long, and a lost connection is
-    dialled again."""
+    dialled again. It proves to the listener that it speaks for ``own`` (the sender's
+    own address; "" for none) with the job key."""
     if is_stream_address(addr):
-        return StreamBeat(addr)
-    return _NngBeat(addr)
+        return StreamBeat(addr, own)
+    from ._nng import NngBeat
+
+    return NngBeat(addr, own)

@@ -8,9 +8,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 if TYPE_CHECKING:
-    from .._wire import Frame
+    from ._frame import Frame
 
-__all__ = ["Transport", "TransportClosed", "TransportStats"]
+__all__ = ["FIRST_CONNECT_WINDOW", "Transport", "TransportClosed", "TransportStats"]
+
+#: How long a link keeps dialling a listener it never reached before it reports the
+#: loss. The listener may not accept yet; but a worker's address is published once it
+#: listens, so this is a margin, not a wait.
+FIRST_CONNECT_WINDOW = 2.5
 
 
 class TransportClosed(Exception):
@@ -25,6 +30,9 @@ class TransportStats(msgspec.Struct, frozen=True):
     bytes_sent: int
     bytes_received: int
     peers: int
+    #: connections (or NNG pipes) closed because the peer did not prove it holds the
+    #: job key: wrong uid, wrong proof, garbage, or too slow
+    auth_refused: int
 
 
 class Transport(Protocol):
@@ -66,7 +74,19 @@ class Transport(Protocol):
         ...
 
     def forget(self, addr: str) -> None:
-        """Close the link towards ``addr`` (the peer is gone)."""
+        """Close the link towards ``addr`` (the peer is gone); it reports nothing."""
+        ...
+
+    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
+        """Call ``handler(addr, why)`` on the event loop when the link towards ``addr``
+        broke: its established connection ended (EOF, reset), the listener is gone
+        (refused, no such socket) or refused our handshake, or a first connect did not
+        succeed within :data:`FIRST_CONNECT_WINDOW`. The link is then dropped: frames queued or
+        written into it are gone, and a later send dials afresh.
+
+        Inbound connections that close are not reported (peers close their links on
+        purpose), nor is a link closed by :meth:`forget` or :meth:`close`.
+        """
         ...
 
     def statistics(self) -> TransportStats:

@@ -12,6 +12,10 @@ Pull0 inbox, one Push0 per peer). The extension drives the same NNG that pynng l
   on the socket's send fd. A frame may also be a list of parts (an envelope and its
   out-of-band buffers): they are copied back to back into the one message.
 
+Every pipe proves itself with a hello before anything it sends is delivered (the
+extension tells the pipe of each message), and a link that breaks is reported: see
+:mod:`._nng_pipes`.
+
 Frames are delivered as memoryviews of NNG messages (no copy; writable, since each
 message belongs to its frame alone); a view keeps its message alive, so a frame that
 the receiver keeps stays valid.
@@ -26,18 +30,16 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import pynng
 import sniffio
 from pynng import _nng as _pynng_cffi
 
 from .. import _ext
-from .._wire import Frame, frame_size
 from ._base import TransportClosed, TransportStats
-from ._nng import DEFAULT_MAX_FRAME, Inbox, notify_closing
+from ._frame import DEFAULT_MAX_FRAME, Frame, frame_size
+from ._nng import Inbox, NngLinks, serve_with_sweeps
 
 __all__ = ["ExtTransport"]
 
-_SEND_BUFFER = 1024
 #: NNG's own receive buffer, and then the extension's queue: both bound memory.
 _RECV_BUFFER = 1024
 _QUEUE = 1024
@@ -59,28 +61,6 @@ _bind()
 atexit.register(_ext.finalize)
 
 
-class _Link:
-    """The Push0 socket towards one peer."""
-
-    __slots__ = ("_fd", "id", "lock", "sock")
-
-    def __init__(self, sock: pynng.Push0) -> None:
-        self.sock = sock
-        self.id: int = sock.socket.id
-        self.lock: anyio.Lock | None = None
-        self._fd = -1
-
-    def send_fd(self) -> int:
-        if self._fd < 0:
-            self._fd = self.sock.send_fd
-        return self._fd
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            notify_closing(self._fd)
-        self.sock.close()
-
-
 class ExtTransport:
     """See :class:`amesh._transport.Transport`.
 
@@ -95,10 +75,10 @@ class ExtTransport:
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
-        self._links: dict[str, _Link] = {}
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
         self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER)
         self._address = self._box.address
+        self._links = NngLinks(self._address)
         try:
             self._rx = _ext.Receiver(self._box.sock.socket.id, _QUEUE)
             self._rx.start()
@@ -114,29 +94,13 @@ class ExtTransport:
     def max_frame(self) -> int:
         return self._max_frame
 
-    def _link(self, addr: str) -> _Link:
-        link = self._links.get(addr)
-        if link is None:
-            if self._closed:
-                raise TransportClosed("transport is closed")
-            sock = pynng.Push0(
-                send_buffer_size=_SEND_BUFFER, reconnect_time_min=10, reconnect_time_max=200
-            )
-            try:
-                sock.dial(addr, block=False)
-            except BaseException:
-                sock.close()
-                raise
-            link = self._links[addr] = _Link(sock)
-        return link
-
     def try_send(self, addr: str, frame: Frame) -> bool:
         size = frame_size(frame)
         if size > self._max_frame:
             raise ValueError(
                 f"message of {size} bytes exceeds the transport limit of {self._max_frame} bytes"
             )
-        link = self._links.get(addr) or self._link(addr)
+        link = self._links.links.get(addr) or self._links.get(addr)
         try:
             sent = _ext.send(link.id, frame)
         except _ext.NngError as exc:
@@ -153,12 +117,12 @@ class ExtTransport:
             return
         # The link is full. Only one task may wait on a given fd (trio insists), so
         # waiters for the same peer queue on a lock.
-        link = self._links[addr]
+        link = self._links.links[addr]
         if link.lock is None:
             link.lock = anyio.Lock()
         async with link.lock:
             while not self.try_send(addr, frame):
-                if self._links.get(addr) is not link:
+                if self._links.links.get(addr) is not link:
                     raise TransportClosed(f"link to {addr} was closed")
                 try:
                     await anyio.wait_readable(link.send_fd())
@@ -166,8 +130,13 @@ class ExtTransport:
                     raise TransportClosed(f"link to {addr} was closed") from None
 
     async def serve(self, deliver: Callable[[Any], None]) -> None:
+        await serve_with_sweeps(
+            lambda: self._receive(deliver), self._box, self._links, lambda: self._closed
+        )
+
+    async def _receive(self, deliver: Callable[[Any], None]) -> None:
         if sniffio.current_async_library() == "asyncio":
-            await self._serve_asyncio(deliver)
+            await self._receive_asyncio(deliver)
             return
         fd = self._rx.fileno()
         while True:
@@ -185,16 +154,21 @@ class ExtTransport:
             if self._closed or exc.errno == _ext.NNG_ECLOSED:
                 raise TransportClosed("transport is closed") from None
             raise
+        box = self._box
+        proven = box.proven
         for msg in batch:
             if self._closed:
                 raise TransportClosed("transport is closed")
             view = memoryview(msg)
+            if msg.pipe not in proven:
+                box.admit(msg.pipe, view)  # a hello, or refused: never delivered
+                continue
             self._received += 1
             self._bytes_received += len(view)
             deliver(view)
         return len(batch)
 
-    async def _serve_asyncio(self, deliver: Callable[[Any], None]) -> None:
+    async def _receive_asyncio(self, deliver: Callable[[Any], None]) -> None:
         """On asyncio, a reader callback delivers straight from the loop's poll: no task
         wakes per batch, and no reader is added and removed per wait."""
         loop = asyncio.get_running_loop()
@@ -222,9 +196,10 @@ class ExtTransport:
                 pass
 
     def forget(self, addr: str) -> None:
-        link = self._links.pop(addr, None)
-        if link is not None:
-            link.close()
+        self._links.forget(addr)
+
+    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
+        self._links.handler = handler
 
     def statistics(self) -> TransportStats:
         return TransportStats(
@@ -232,16 +207,15 @@ class ExtTransport:
             frames_received=self._received,
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
-            peers=len(self._links),
+            peers=len(self._links.links),
+            auth_refused=self._box.refused(),
         )
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
+        self._links.close()
         # Stopping the receiver leaves its fd readable, so a serve() wakes up and ends;
         # the fd itself is closed when the last reference to the receiver goes.
         self._rx.close()

@@ -6,100 +6,103 @@ and its cancellation bug under anyio's asyncio backend. Sending tries a non-bloc
 send first and only waits on the send pollable when the link is full.
 
 Push/Pull never resends (unlike Req/Rep, which resends after 60 s) and keeps the
-frames of one link in order.
+frames of one link in order. Every pipe proves itself with a hello before anything it
+sends is delivered, and a link that breaks is reported: see :mod:`._nng_pipes`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
-import uuid
+import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
 import pynng
 
-from .._wire import Frame, join
+from ._auth import HANDSHAKE_TIMEOUT, hello
 from ._base import TransportClosed, TransportStats
+from ._frame import DEFAULT_MAX_FRAME, Frame, join
+from ._nng_pipes import Inbox, NngLink, fresh_address, notify_closing
 
-__all__ = ["NngTransport"]
+__all__ = ["Inbox", "NngBeat", "NngLinks", "NngTransport", "notify_closing", "serve_with_sweeps"]
 
-#: Frames above this size are refused at the sender with a clear error; NNG itself
-#: would drop an oversize frame silently at the receiver.
-DEFAULT_MAX_FRAME = 2**31 - 1
-_SEND_BUFFER = 1024
 _RECV_BUFFER = 1024
+#: How often unproven pipes and links that never connected are looked at.
+SWEEP_PERIOD = HANDSHAKE_TIMEOUT / 10
+
+#: the name tests and benchmarks know it by
+_fresh_address = fresh_address
 
 
-def ipc_dir() -> str:
-    """Where ipc:// socket files go: ``AMESH_IPC_DIR``, else ``$TMPDIR/amesh-<uid>``."""
-    return os.environ.get("AMESH_IPC_DIR") or os.path.join(
-        tempfile.gettempdir(), f"amesh-{os.getuid()}"
-    )
+class NngLinks:
+    """The links of an NNG transport, and their losses (shared by both transports)."""
 
+    def __init__(self, own: str) -> None:
+        self._own = own
+        self.links: dict[str, NngLink] = {}
+        self.handler: Callable[[str, str], None] | None = None
+        self.closed = False
 
-def notify_closing(fd: int) -> None:
-    """Wake tasks waiting on ``fd`` (ClosedResourceError) before NNG closes it."""
-    try:
-        anyio.notify_closing(fd)
-    except RuntimeError:  # no event loop in this thread: nobody here waits on it
-        pass
+    def get(self, addr: str) -> NngLink:
+        link = self.links.get(addr)
+        if link is None:
+            if self.closed:
+                raise TransportClosed("transport is closed")
+            link = self.links[addr] = NngLink(addr, self._own, self.lost)
+        return link
 
+    def lost(self, link: NngLink, why: str) -> None:
+        """``link`` broke (on the event loop): drop and report it, unless it was
+        forgotten or the transport closed meanwhile."""
+        if self.links.get(link.addr) is not link:
+            return
+        del self.links[link.addr]
+        link.close()
+        if self.handler is not None and not self.closed:
+            self.handler(link.addr, why)
 
-class Inbox:
-    """The Pull0 socket a transport receives on, listening on a fresh address.
+    def sweep(self) -> None:
+        """Give up the links that never connected."""
+        now = time.monotonic()
+        for link in [link for link in self.links.values() if link.overdue(now)]:
+            self.lost(link, "cannot connect (nobody listens there)")
 
-    Shared by the pure-pynng and the extension transports.
-
-    Args:
-        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto`` (abstract on Linux, else ipc).
-        host: the address to listen on for tcp.
-        max_frame: the largest frame NNG accepts.
-        recv_buffer: NNG's receive buffer, in messages.
-    """
-
-    def __init__(self, scheme: str, host: str, max_frame: int, recv_buffer: int) -> None:
-        if scheme == "auto":
-            scheme = "abstract" if sys.platform == "linux" else "ipc"
-        self.sock = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=recv_buffer)
-        try:
-            listener = self.sock.listen(_fresh_address(scheme, host))
-        except BaseException:
-            self.sock.close()
-            raise
-        addr: str = listener.url
-        if scheme == "tcp" and addr.endswith(":0"):
-            # pynng's InAddr.port is in network byte order; its str() is right.
-            port = str(listener.local_address).rsplit(":", 1)[1]
-            addr = addr.rsplit(":", 1)[0] + f":{port}"
-        self.address = addr
-        self._ipc_path = addr[len("ipc://") :] if scheme == "ipc" else None
+    def forget(self, addr: str) -> None:
+        link = self.links.pop(addr, None)
+        if link is not None:
+            link.close()
 
     def close(self) -> None:
-        """Close the socket and remove its socket file (ipc)."""
-        self.sock.close()
-        if self._ipc_path is not None:
-            try:
-                os.unlink(self._ipc_path)
-            except FileNotFoundError:
-                pass
+        self.closed = True
+        links, self.links = list(self.links.values()), {}
+        for link in links:
+            link.close()
 
 
-def _fresh_address(scheme: str, host: str) -> str:
-    name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    if scheme == "abstract":
-        return f"abstract://{name}"
-    if scheme == "ipc":
-        base = ipc_dir()
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        return f"ipc://{os.path.join(base, name)}.sock"
-    if scheme == "tcp":
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"tcp://{host}:0"
-    raise ValueError(f"unknown transport scheme {scheme!r} (abstract, ipc, tcp, auto)")
+async def serve_with_sweeps(
+    receive: Callable[[], Any], inbox: Inbox, links: NngLinks, closed: Callable[[], bool]
+) -> None:
+    """Run ``receive()`` while sweeping ``inbox`` and ``links`` every
+    :data:`SWEEP_PERIOD`; exceptions of ``receive`` propagate as they are."""
+    error: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def sweep() -> None:
+            while not closed():
+                await anyio.sleep(SWEEP_PERIOD)
+                inbox.sweep()
+                links.sweep()
+
+        tg.start_soon(sweep)
+        try:
+            await receive()
+        except Exception as exc:  # raised below, not wrapped in a group
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    raise TransportClosed("transport is closed")
 
 
 class NngTransport:
@@ -116,12 +119,10 @@ class NngTransport:
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
-        self._peers: dict[str, pynng.Push0] = {}
-        self._send_locks: dict[str, anyio.Lock] = {}
-        self._send_fds: dict[str, int] = {}
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
         self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER)
         self._address = self._box.address
+        self._links = NngLinks(self._address)
 
     @property
     def address(self) -> str:
@@ -130,22 +131,6 @@ class NngTransport:
     @property
     def max_frame(self) -> int:
         return self._max_frame
-
-    def _peer(self, addr: str) -> pynng.Push0:
-        sock = self._peers.get(addr)
-        if sock is None:
-            if self._closed:
-                raise TransportClosed("transport is closed")
-            sock = pynng.Push0(
-                send_buffer_size=_SEND_BUFFER, reconnect_time_min=10, reconnect_time_max=200
-            )
-            try:
-                sock.dial(addr, block=False)
-            except BaseException:
-                sock.close()
-                raise
-            self._peers[addr] = sock
-        return sock
 
     def _check(self, frame: Frame) -> bytes:
         data = join(frame)
@@ -158,13 +143,13 @@ class NngTransport:
 
     def try_send(self, addr: str, frame: Frame) -> bool:
         frame = self._check(frame)
-        sock = self._peer(addr)
+        link = self._links.links.get(addr) or self._links.get(addr)
         try:
-            sock.send(frame, block=False)
+            link.sock.send(frame, block=False)
         except pynng.TryAgain:
             return False
         except pynng.Closed:
-            raise TransportClosed("transport is closed") from None
+            raise TransportClosed(f"link to {addr} is closed") from None
         self._sent += 1
         self._bytes_sent += len(frame)
         return True
@@ -175,22 +160,26 @@ class NngTransport:
             return
         # The link is full. Only one task may wait on a given fd (trio insists), so
         # waiters for the same peer queue on a lock.
-        lock = self._send_locks.setdefault(addr, anyio.Lock())
-        async with lock:
+        link = self._links.links[addr]
+        if link.lock is None:
+            link.lock = anyio.Lock()
+        async with link.lock:
             while not self.try_send(addr, frame):
-                sock = self._peers.get(addr)
-                if sock is None:
+                if self._links.links.get(addr) is not link:
                     raise TransportClosed(f"link to {addr} was closed")
-                fd = self._send_fds.get(addr)
-                if fd is None:
-                    fd = self._send_fds[addr] = sock.send_fd
                 try:
-                    await anyio.wait_readable(fd)
+                    await anyio.wait_readable(link.send_fd())
                 except anyio.ClosedResourceError:
                     raise TransportClosed(f"link to {addr} was closed") from None
 
     async def serve(self, deliver: Callable[[Any], None]) -> None:
-        sock = self._box.sock
+        await serve_with_sweeps(
+            lambda: self._receive(deliver), self._box, self._links, lambda: self._closed
+        )
+
+    async def _receive(self, deliver: Callable[[Any], None]) -> None:
+        box = self._box
+        sock, proven = box.sock, box.proven
         fd = sock.recv_fd
         while True:
             try:
@@ -199,27 +188,25 @@ class NngTransport:
                 raise TransportClosed("transport is closed") from None
             while True:
                 try:
-                    frame = sock.recv(block=False)
+                    msg = sock.recv_msg(block=False)
                 except pynng.TryAgain:
                     break
                 except pynng.Closed:
                     raise TransportClosed("transport is closed") from None
-                except RuntimeError:
-                    # pynng 0.9 cannot unpack a zero-length message (NULL body); the
-                    # message is consumed, so hand it on as the empty frame it was.
-                    frame = b""
+                pipe = msg.pipe.id if msg.pipe is not None else -1
+                if pipe not in proven:
+                    box.admit(pipe, msg.bytes)  # a hello, or refused: never delivered
+                    continue
+                frame = msg.bytes
                 self._received += 1
                 self._bytes_received += len(frame)
                 deliver(frame)
 
     def forget(self, addr: str) -> None:
-        sock = self._peers.pop(addr, None)
-        self._send_locks.pop(addr, None)
-        fd = self._send_fds.pop(addr, None)
-        if fd is not None:
-            notify_closing(fd)
-        if sock is not None:
-            sock.close()
+        self._links.forget(addr)
+
+    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
+        self._links.handler = handler
 
     def statistics(self) -> TransportStats:
         return TransportStats(
@@ -227,18 +214,64 @@ class NngTransport:
             frames_received=self._received,
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
-            peers=len(self._peers),
+            peers=len(self._links.links),
+            auth_refused=self._box.refused(),
         )
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for fd in self._send_fds.values():
-            notify_closing(fd)
-        self._send_fds.clear()
-        for sock in self._peers.values():
-            sock.close()
-        self._peers.clear()
+        self._links.close()
         notify_closing(self._box.sock.recv_fd)
         self._box.close()
+
+
+class NngBeat:
+    """A Push0 socket that drops a frame rather than wait. It says hello first (see
+    :mod:`._nng_pipes`); when its pipe goes, the next send starts a new socket, as a
+    pipe that NNG redials on its own would be refused for want of a hello.
+
+    Args:
+        addr: the NNG address to send to.
+        own: the sender's own listening address, which it proves it speaks for.
+    """
+
+    def __init__(self, addr: str, own: str = "") -> None:
+        self._addr = addr
+        self._own = own
+        self._broken = False
+        self._sock: pynng.Push0 | None = None
+        self._sock = self._open()
+
+    def _open(self) -> pynng.Push0:
+        sock = pynng.Push0(send_buffer_size=4, send_timeout=1000)
+        try:
+            sock.add_post_pipe_remove_cb(partial(self._on_pipe_gone, sock))
+            sock.send(hello(self._addr, self._own), block=False)
+            sock.dial(self._addr, block=False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _on_pipe_gone(self, sock: pynng.Push0, pipe: pynng.Pipe) -> None:
+        if sock is self._sock:  # on an NNG thread: the sending thread acts on it
+            self._broken = True
+
+    def send(self, frame: bytes) -> bool:
+        if self._broken or self._sock is None:
+            self._broken = False
+            if self._sock is not None:
+                self._sock.close()
+            self._sock = None
+            self._sock = self._open()
+        try:
+            self._sock.send(frame, block=False)
+        except pynng.TryAgain:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()

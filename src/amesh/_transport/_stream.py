@@ -11,7 +11,7 @@ protocol:
 
 - ``stream+abstract://NAME``: a Linux abstract unix socket (no file);
 - ``stream+ipc:///PATH.sock``: a unix socket file under
-  :func:`~amesh._transport._nng.ipc_dir`, removed at :meth:`StreamTransport.close`;
+  :func:`~amesh._transport._paths.ipc_dir`, removed at :meth:`StreamTransport.close`;
 - ``stream+tcp://HOST:PORT`` (``[HOST]`` for IPv6): always a numeric host, the one the
   listener is bound to, and the real port when it was asked for port 0.
 
@@ -28,12 +28,23 @@ user space (frames queued until the connection is up, and whatever the kernel di
 take yet). Above that ``try_send`` says False and ``send`` waits for the link to drain;
 waiting senders keep their turn, so a ``try_send`` never overtakes them.
 
-Peers going away: like NNG's Push0 links, a link that breaks or cannot connect keeps
-the frames sent to it and dials again in the background (10 ms, doubling to 200 ms),
-for as long as it has something to send. Sends to a dead peer therefore fill the link
-and then wait; they never fail nor hang the transport. Frames written into a connection
-that then breaks are lost. The owner calls :meth:`~StreamTransport.forget` when it
-learns the peer is gone, which drops the link and wakes its waiting senders with
+Authentication: every connection opens with the handshake of :mod:`._auth`. The
+listener checks a unix socket peer's uid, sends a fresh challenge and reads the
+dialer's answer into a :class:`~._auth.Gate`; not one byte reaches the frame reader
+before the answer is proven right. A peer that fails (wrong uid, wrong proof, garbage,
+nothing within :data:`~._auth.HANDSHAKE_TIMEOUT`) is closed at once, counted
+(``auth_refused``) and logged, rate-limited. The dialer waits for the challenge once
+per connection and pipelines its frames behind its answer.
+
+Peers going away: a link dials on its first frame and, while the listener is not
+there yet (refused, no such socket), dials again (10 ms, doubling to 200 ms) for
+:data:`~._base.FIRST_CONNECT_WINDOW` seconds. When that fails, the listener refuses
+the handshake, or an established connection ends (EOF, reset), the link is dropped
+with whatever it held, and the handler of :meth:`~StreamTransport.set_lost_handler`
+hears of it on the event loop; senders waiting on it get :class:`TransportClosed`,
+and a later send dials afresh. Frames written into a connection that breaks are lost.
+The owner calls :meth:`~StreamTransport.forget` when it learns the peer is gone, which
+drops the link (reporting nothing) and wakes its waiting senders with
 :class:`TransportClosed`.
 
 Frames are the sender's again when ``try_send``/``send`` return: what the kernel did not
@@ -57,9 +68,10 @@ from typing import Any, ClassVar
 import anyio
 import sniffio
 
-from .._wire import Frame
+from ._auth import Refusals
 from ._base import TransportClosed, TransportStats
-from ._nng import DEFAULT_MAX_FRAME, ipc_dir
+from ._frame import DEFAULT_MAX_FRAME, Frame
+from ._paths import ipc_dir
 from ._stream_io import (
     HIGH_WATER,
     AioInbound,
@@ -156,7 +168,9 @@ class StreamTransport:
         self._server: asyncio.Server | None = None
         self._tasks: set[Any] = set()
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
+        self._lost_handler: Callable[[str, str], None] | None = None
         self._lsock, self._address, self._ipc_path = _listen(scheme, host)
+        self._refusals = Refusals(self._address)
 
     @property
     def address(self) -> str:
@@ -206,12 +220,27 @@ class StreamTransport:
             family, sockaddr = parse_address(addr)
             if self._fast():
                 assert self._loop is not None
-                link = AioLink(self._loop, family, sockaddr)
+                link = AioLink(self._loop, addr, family, sockaddr, self._address, self._link_lost)
             else:
-                link = AnyioLink(family, sockaddr)
+                link = AnyioLink(addr, family, sockaddr, self._address, self._link_lost)
                 spawn_system_task(self._backend, link.run, self._tasks)
             self._links[addr] = link
         return link
+
+    def _link_lost(self, link: _Link, why: str) -> None:
+        """A link broke (on the event loop): drop it and report it, unless it was
+        forgotten or the transport closed meanwhile."""
+        if self._links.get(link.addr) is not link:
+            return
+        del self._links[link.addr]
+        handler = self._lost_handler
+        if handler is not None and not self._closed:
+            handler(link.addr, why)
+        else:
+            log.debug("lost the link to %s: %s", link.addr, why)
+
+    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
+        self._lost_handler = handler
 
     def try_send(self, addr: str, frame: Frame) -> bool:
         bufs, total, size = self._frame(frame)
@@ -361,6 +390,15 @@ class StreamTransport:
     async def _read(self, conn: AnyioInbound) -> None:
         reader, sock = conn.reader, conn.sock
         try:
+            try:
+                opened = await conn.handshake()
+            except BadStream as exc:  # in the frames behind the answer
+                log.warning("dropping an inbound connection from %s: %s", conn.peer, exc)
+                opened = False
+            if not opened:
+                self._inbound.discard(conn)
+                conn.abort()
+                return
             while not reader.stopped:
                 await anyio.wait_readable(sock)
                 try:
@@ -376,7 +414,7 @@ class StreamTransport:
                 try:
                     reader.buffer_updated(n)
                 except BadStream as exc:
-                    log.warning("dropping an inbound connection: %s", exc)
+                    log.warning("dropping an inbound connection from %s: %s", conn.peer, exc)
                     self._inbound.discard(conn)
                     conn.abort()
                     return
@@ -392,6 +430,7 @@ class StreamTransport:
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
             peers=len(self._links),
+            auth_refused=self._refusals.count,
         )
 
     def close(self) -> None:

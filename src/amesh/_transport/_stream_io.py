@@ -1,7 +1,9 @@
 """The stream transport's connections: asyncio protocols, and anyio-driven sockets.
 
 :class:`~amesh._transport._stream.StreamTransport` owns them; see its module for the
-design.
+design, and :mod:`._auth` for the handshake that opens every connection: an inbound
+connection's bytes go to a :class:`~._auth.Gate` until the peer has proven itself, and
+only then to the :class:`Reader` that cuts frames.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
-from ._stream_wire import NOSIGNAL, BadStream, Buf, Reader, SockAddr, nbytes, owned, tail
+from ._auth import (
+    CHALLENGE_LEN,
+    HANDSHAKE_TIMEOUT,
+    Gate,
+    Refused,
+    answer,
+    check_peer,
+)
+from ._base import FIRST_CONNECT_WINDOW
+from ._stream_wire import NOSIGNAL, BadStream, Buf, Reader, SockAddr, owned, tail
 
 if TYPE_CHECKING:
     from ._stream import StreamTransport
@@ -40,40 +51,95 @@ HIGH_WATER = 2 * 1024 * 1024
 #: asyncio resumes a paused link once its write buffer is below this.
 LOW_WATER = HIGH_WATER // 4
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+#: A first connect that fails is tried again after this, doubling up to the maximum,
+#: for :data:`~._base.FIRST_CONNECT_WINDOW` seconds.
 _RETRY_MIN = 0.01
 _RETRY_MAX = 0.2
-_CONNECT_TIMEOUT = 5.0
+
+#: Called with a link and why it broke; the transport drops it and reports it.
+LostCallback = Callable[[Any, str], None]
 
 
 # -- asyncio: the loop's protocols do the I/O --------------------------------------------
 
 
 class AioInbound(asyncio.BufferedProtocol):
-    """One accepted connection, read by the event loop straight into a :class:`Reader`."""
+    """One accepted connection, read by the event loop: into a :class:`~._auth.Gate`
+    until the peer has proven itself, then straight into a :class:`Reader`."""
 
     def __init__(self, owner: StreamTransport) -> None:
         self._owner = owner
         self._reader = Reader(owner.max_frame, self._emit)
+        self._gate: Gate | None = Gate(owner.address)
+        self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
         self._paused = False
+        self._who = "a peer"
+        #: the dialer's address, once it has proven itself
+        self.peer = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio's
         self._transport = transport = cast(asyncio.Transport, transport)
-        if self._owner._closed:
+        owner = self._owner
+        if owner._closed:
+            self._gate = None
             transport.abort()
             return
-        self._owner._inbound.add(self)
+        owner._inbound.add(self)
+        self._who, why = check_peer(transport.get_extra_info("socket"))
+        if why:
+            self._refuse(why)
+            return
+        assert self._gate is not None
+        transport.write(self._gate.challenge)
+        self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT, self._too_slow)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        gate = self._gate
+        if gate is not None:
+            return gate.get_buffer()
         return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._gate is not None:
+            self._open(nbytes)
+            return
         try:
             self._reader.buffer_updated(nbytes)
         except BadStream as exc:
-            log.warning("dropping an inbound connection: %s", exc)
+            log.warning("dropping an inbound connection from %s: %s", self.peer or self._who, exc)
             self.abort()
+
+    def _open(self, nbytes: int) -> None:
+        """Bytes of the handshake: pass on what follows a good answer, refuse a bad one."""
+        gate = self._gate
+        assert gate is not None
+        try:
+            rest = gate.buffer_updated(nbytes)
+        except Refused as exc:
+            self._refuse(str(exc))
+            return
+        if rest is None:
+            return
+        self._gate = None
+        self.peer = gate.peer
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if rest:  # frames pipelined behind the answer
+            self._reader.get_buffer()[: len(rest)] = rest
+            self.buffer_updated(len(rest))
+
+    def _too_slow(self) -> None:
+        self._timer = None
+        if self._gate is not None:
+            self._refuse(f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
+
+    def _refuse(self, why: str) -> None:
+        self._gate = None
+        self._owner._refusals.refuse(self._who, why)
+        self.abort()
 
     def _emit(self, frame: Buf) -> None:
         self._owner._inbound_frame(frame, self)
@@ -83,6 +149,12 @@ class AioInbound(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._reader.stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._gate is not None and not self._owner._closed:
+            self._gate = None
+            self._owner._refusals.refuse(self._who, "closed the connection before the handshake")
         self._owner._inbound.discard(self)
 
     def pause(self) -> None:
@@ -102,10 +174,11 @@ class AioInbound(asyncio.BufferedProtocol):
 
 
 class AioConn(asyncio.Protocol):
-    """The current connection of an :class:`AioLink`."""
+    """The connection of an :class:`AioLink`, once its handshake answer is known."""
 
-    def __init__(self, link: AioLink) -> None:
+    def __init__(self, link: AioLink, hello: bytes) -> None:
         self._link = link
+        self._hello = hello
         self.transport: asyncio.Transport | None = None
         self._fd = -1
         self.paused = False
@@ -118,20 +191,18 @@ class AioConn(asyncio.Protocol):
             return
         self._fd = transport.get_extra_info("socket").fileno()
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
-        # Frames queued while connecting go first, before anyone can write more.
+        # The answer goes first, then the frames queued while connecting, before
+        # anyone can write more.
         pending, link.pending, link.pending_bytes = link.pending, deque(), 0
         link.conn = self
-        if pending:
-            transport.writelines([b for bufs in pending for b in bufs])
+        transport.writelines([self._hello, *(b for bufs in pending for b in bufs)])
         link.wake()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         link = self._link
         if link.conn is self:
             link.conn = None
-        if link.pending and not link.closed:
-            link.connect_soon()
-        link.wake()
+        link.fail(f"the connection broke ({exc})" if exc else "the peer closed the connection")
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -141,10 +212,10 @@ class AioConn(asyncio.Protocol):
         self._link.wake()
 
     def data_received(self, data: bytes) -> None:
-        pass  # peers never write back on a link
+        pass  # peers never write on a link after their challenge
 
     def eof_received(self) -> bool | None:
-        return None  # the peer closed: close our end, and dial again when needed
+        return None  # the peer closed: close our end (connection_lost reports it)
 
     def write(self, bufs: list[Buf], total: int) -> bool:
         """Write one frame; False (nothing of it written) if the connection broke."""
@@ -189,15 +260,42 @@ class Waiters:
 
 
 class AioLink(Waiters):
-    """The outbound link to one peer, on asyncio."""
+    """The outbound link to one peer, on asyncio.
 
-    __slots__ = ("_connector", "_family", "_loop", "_sockaddr", "conn", "pending", "pending_bytes")
+    It dials on its first frame, keeps dialling for a short window while the listener
+    is not there yet, and answers the listener's challenge; when that fails, or its
+    connection breaks later, it closes and ``on_lost`` reports it (once).
+    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, family: int, sockaddr: SockAddr) -> None:
+    __slots__ = (
+        "_connector",
+        "_family",
+        "_loop",
+        "_on_lost",
+        "_own",
+        "_sockaddr",
+        "addr",
+        "conn",
+        "pending",
+        "pending_bytes",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        addr: str,
+        family: int,
+        sockaddr: SockAddr,
+        own: str,
+        on_lost: LostCallback,
+    ) -> None:
         super().__init__()
         self._loop = loop
+        self.addr = addr
         self._family = family
         self._sockaddr = sockaddr
+        self._own = own
+        self._on_lost = on_lost
         self._connector: asyncio.Task[None] | None = None
         self.conn: AioConn | None = None
         #: Whole frames waiting for a connection, and their size.
@@ -207,7 +305,8 @@ class AioLink(Waiters):
     def _live(self) -> AioConn | None:
         conn = self.conn
         if conn is not None and conn.transport is not None and conn.transport.is_closing():
-            conn = self.conn = None
+            self.fail("the connection broke")
+            return None
         return conn
 
     def writable(self) -> bool:
@@ -217,36 +316,46 @@ class AioLink(Waiters):
         return self.pending_bytes < HIGH_WATER
 
     def write(self, bufs: list[Buf], total: int) -> None:
+        """Write or queue one frame; a broken link drops it (its loss is reported)."""
         conn = self._live()
         if conn is not None:
-            if conn.write(bufs, total):
-                return
-            self.conn = None
+            if not conn.write(bufs, total):
+                self.fail("the connection broke")
+            return
+        if self.closed:
+            return
         self.pending.append(owned(bufs, total))
         self.pending_bytes += total
-        self.connect_soon()
-
-    def connect_soon(self) -> None:
-        if self._connector is None and not self.closed:
+        if self._connector is None:
             self._connector = self._loop.create_task(self._connect())
 
     async def _connect(self) -> None:
         loop, delay = self._loop, _RETRY_MIN
+        give_up = loop.time() + FIRST_CONNECT_WINDOW
         try:
             while True:
                 sock = socket.socket(self._family, socket.SOCK_STREAM)
                 try:
                     sock.setblocking(False)
-                    async with asyncio.timeout(_CONNECT_TIMEOUT):
+                    async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                         await loop.sock_connect(sock, self._sockaddr)
+                        challenge = await _aio_challenge(loop, sock)
+                    factory = partial(AioConn, self, answer(challenge, self.addr, self._own))
                     if self._family == socket.AF_UNIX:
-                        await loop.create_unix_connection(partial(AioConn, self), sock=sock)
+                        await loop.create_unix_connection(factory, sock=sock)
                     else:
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        await loop.create_connection(partial(AioConn, self), sock=sock)
+                        await loop.create_connection(factory, sock=sock)
                     return  # connection_made has taken over the pending frames
-                except OSError:  # refused, no such socket yet, timed out
+                except Refused as exc:
                     sock.close()
+                    self.fail(str(exc))
+                    return
+                except OSError as exc:  # refused, no such socket yet, timed out
+                    sock.close()
+                    if loop.time() >= give_up:
+                        self.fail(f"cannot connect: {exc or type(exc).__name__}")
+                        return
                 except BaseException:
                     sock.close()
                     raise
@@ -255,14 +364,27 @@ class AioLink(Waiters):
         finally:
             self._connector = None
 
+    def fail(self, why: str) -> None:
+        """The link broke: close it, and have it reported (unless it was closed)."""
+        if self.closed:
+            return
+        self._stop(drop=True)
+        if not self._loop.is_closed():
+            self._loop.call_soon(self._on_lost, self, why)
+
     def close(self, drop: bool) -> None:
-        """Stop; ``drop`` discards what the connection still buffers."""
+        """Stop; ``drop`` discards what the connection still buffers. Nothing is reported."""
+        if not self.closed:
+            self._stop(drop)
+
+    def _stop(self, drop: bool) -> None:
         self.closed = True
         self.pending.clear()
         self.pending_bytes = 0
         if not self._loop.is_closed():  # else the loop closed everything already
-            if self._connector is not None:
-                self._connector.cancel()
+            connector = self._connector
+            if connector is not None and connector is not asyncio.current_task(self._loop):
+                connector.cancel()
             conn, self.conn = self.conn, None
             if conn is not None and conn.transport is not None:
                 if drop:
@@ -270,6 +392,17 @@ class AioLink(Waiters):
                 else:
                     conn.transport.close()
             self.wake()
+
+
+async def _aio_challenge(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """The listener's challenge, read from a connected ``sock``."""
+    data = b""
+    while len(data) < CHALLENGE_LEN:
+        got = await loop.sock_recv(sock, CHALLENGE_LEN - len(data))
+        if not got:
+            raise Refused("the listener closed the connection before its challenge")
+        data += got
+    return data
 
 
 # -- anyio: non-blocking sockets and wait_readable/wait_writable -------------------------
@@ -282,43 +415,67 @@ def notify_closing_quietly(sock: socket.socket) -> None:
         pass
 
 
-async def _connect(family: int, sockaddr: SockAddr) -> socket.socket:
+async def _connect(family: int, sockaddr: SockAddr) -> tuple[socket.socket, bytes]:
+    """A connected socket, and the challenge its listener sent."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
-        err = sock.connect_ex(sockaddr)
-        if err == errno.EINPROGRESS:
-            with anyio.fail_after(_CONNECT_TIMEOUT):
+        with anyio.fail_after(HANDSHAKE_TIMEOUT):
+            err = sock.connect_ex(sockaddr)
+            if err in (errno.EINPROGRESS, errno.EAGAIN):
                 await anyio.wait_writable(sock)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            raise OSError(err, os.strerror(err))
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
+            challenge = b""
+            while len(challenge) < CHALLENGE_LEN:
+                await anyio.wait_readable(sock)
+                try:
+                    got = sock.recv(CHALLENGE_LEN - len(challenge))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if not got:
+                    raise Refused("the listener closed the connection before its challenge")
+                challenge += got
         if family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except BaseException:
         sock.close()
         raise
-    return sock
+    return sock, challenge
 
 
 class AnyioLink(Waiters):
-    """The outbound link to one peer, driven by a background task (see :meth:`run`)."""
+    """The outbound link to one peer, driven by a background task (see :meth:`run`).
+
+    Like :class:`AioLink`, it dials on its first frame, for a short window at most,
+    and closes and reports (``on_lost``) when that fails or its connection breaks.
+    """
 
     __slots__ = (
         "_family",
+        "_lost",
+        "_on_lost",
+        "_own",
         "_scope",
         "_sockaddr",
         "_started",
         "_wakeup",
+        "addr",
         "frames",
         "queued",
         "sock",
     )
 
-    def __init__(self, family: int, sockaddr: SockAddr) -> None:
+    def __init__(
+        self, addr: str, family: int, sockaddr: SockAddr, own: str, on_lost: LostCallback
+    ) -> None:
         super().__init__()
+        self.addr = addr
         self._family = family
         self._sockaddr = sockaddr
+        self._own = own
+        self._on_lost = on_lost
         self.sock: socket.socket | None = None
         #: Frames not yet written, the first maybe in part (``_started``), and their size.
         self.frames: deque[list[Buf]] = deque()
@@ -326,19 +483,24 @@ class AnyioLink(Waiters):
         self._started = False
         self._wakeup: anyio.Event | None = None
         self._scope: anyio.CancelScope | None = None
+        #: why the link broke, once it did
+        self._lost: str | None = None
 
     def writable(self) -> bool:
         return self.queued < HIGH_WATER
 
     def write(self, bufs: list[Buf], total: int) -> None:
+        """Write or queue one frame; a broken link drops it (its loss is reported)."""
+        if self.closed:
+            return
         if self.sock is not None and not self.frames:
             try:
                 n = self.sock.sendmsg(bufs[:IOV_MAX], (), NOSIGNAL)
             except (BlockingIOError, InterruptedError):
                 n = 0
-            except OSError:
-                self._disconnect()
-                n = 0
+            except OSError as exc:
+                self.fail(f"the connection broke ({exc})")
+                return
             if n == total:
                 return
             if n:
@@ -355,15 +517,6 @@ class AnyioLink(Waiters):
         wakeup, self._wakeup = self._wakeup, None
         if wakeup is not None:
             wakeup.set()
-
-    def _disconnect(self) -> None:
-        sock, self.sock = self.sock, None
-        if sock is not None:
-            notify_closing_quietly(sock)
-            sock.close()
-        if self._started:  # its beginning went into the broken connection
-            self.queued -= nbytes(self.frames.popleft())
-            self._started = False
 
     def _flush(self) -> None:
         assert self.sock is not None
@@ -382,40 +535,98 @@ class AnyioLink(Waiters):
                 self.frames.popleft()
                 self._started = False
 
+    async def _wait(self) -> None:
+        self._wakeup = anyio.Event()
+        await self._wakeup.wait()
+
     async def run(self) -> None:
-        """Connect while there is something to send, and write it when the socket
-        takes it; retry after failures until closed."""
-        delay = _RETRY_MIN
+        """Connect once there is something to send, then write what the socket takes,
+        until closed or broken (then report it)."""
         try:
             with anyio.CancelScope() as self._scope:
-                while not self.closed:
-                    if not self.frames:
-                        self._wakeup = anyio.Event()
-                        await self._wakeup.wait()
-                        continue
-                    if self.sock is None:
-                        try:
-                            self.sock = await _connect(self._family, self._sockaddr)
-                        except OSError:
-                            await anyio.sleep(delay)
-                            delay = min(2 * delay, _RETRY_MAX)
-                            continue
-                        delay = _RETRY_MIN
-                    try:
-                        await anyio.wait_writable(self.sock)
-                        self._flush()
-                    except OSError:
-                        self._disconnect()
-                    if self.writable():
-                        self.wake()
-        except anyio.ClosedResourceError:
-            pass
+                while not self.frames and not self.closed:
+                    await self._wait()
+                if await self._dial():
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._watch)
+                        await self._pump()
+                        tg.cancel_scope.cancel()
         finally:
             sock, self.sock = self.sock, None
             if sock is not None:
+                notify_closing_quietly(sock)
                 sock.close()
+            if self._lost is not None:
+                try:
+                    self._on_lost(self, self._lost)
+                except Exception:  # a system task must not raise
+                    log.exception("reporting the loss of the link to %s", self.addr)
+
+    async def _dial(self) -> bool:
+        """Connect and queue the answer to the challenge first; False if it failed."""
+        delay = _RETRY_MIN
+        give_up = anyio.current_time() + FIRST_CONNECT_WINDOW
+        while not self.closed:
+            try:
+                sock, challenge = await _connect(self._family, self._sockaddr)
+            except Refused as exc:
+                self.fail(str(exc))
+                return False
+            except OSError as exc:  # refused, no such socket yet, timed out
+                if anyio.current_time() >= give_up:
+                    self.fail(f"cannot connect: {exc or type(exc).__name__}")
+                    return False
+                await anyio.sleep(delay)
+                delay = min(2 * delay, _RETRY_MAX)
+                continue
+            self.sock = sock
+            hello = answer(challenge, self.addr, self._own)
+            self.frames.appendleft([hello])
+            self.queued += len(hello)
+            return True
+        return False
+
+    async def _pump(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        while not self.closed:
+            if not self.frames:
+                await self._wait()
+                continue
+            try:
+                await anyio.wait_writable(sock)
+                self._flush()
+            except OSError as exc:
+                self.fail(f"the connection broke ({exc})")
+                return
+            if self.writable():
+                self.wake()
+
+    async def _watch(self) -> None:
+        """Notice at once when the peer closes (it never writes on a link)."""
+        sock = self.sock
+        assert sock is not None
+        while True:
+            await anyio.wait_readable(sock)
+            try:
+                data = sock.recv(1)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                self.fail(f"the connection broke ({exc})")
+                return
+            if not data:
+                self.fail("the peer closed the connection")
+                return
+
+    def fail(self, why: str) -> None:
+        """The link broke: close it, and have :meth:`run` report it."""
+        if not self.closed:
+            self._lost = why
+            self.close(drop=True)
 
     def close(self, drop: bool) -> None:
+        """Stop now, whatever ``drop`` says (the socket closes); nothing is reported."""
         self.closed = True
         self.frames.clear()
         self.queued = 0
@@ -429,12 +640,62 @@ class AnyioLink(Waiters):
 class AnyioInbound:
     """One accepted connection, read by a task inside :meth:`StreamTransport.serve`."""
 
-    __slots__ = ("_owner", "reader", "sock")
+    __slots__ = ("_owner", "gate", "peer", "reader", "sock", "who")
 
     def __init__(self, owner: StreamTransport, sock: socket.socket) -> None:
         self._owner = owner
         self.sock = sock
         self.reader = Reader(owner.max_frame, self._emit)
+        #: the handshake, until the peer has proven itself
+        self.gate: Gate | None = Gate(owner.address)
+        self.who = "a peer"
+        #: the dialer's address, once it has proven itself
+        self.peer = ""
+
+    async def handshake(self) -> bool:
+        """Challenge the peer and check its answer; False (refused, counted) if it
+        fails. Frames sent behind the answer go to the reader."""
+        gate, sock = self.gate, self.sock
+        if gate is None:
+            return True
+        self.who, why = check_peer(sock)
+        if not why:
+            why = f"no handshake within {HANDSHAKE_TIMEOUT:g} s"
+            with anyio.move_on_after(HANDSHAKE_TIMEOUT):
+                why = await self._check(gate, sock)
+        if why:
+            self.gate = None
+            self._owner._refusals.refuse(self.who, why)
+            return False
+        self.gate = None
+        self.peer = gate.peer
+        return True
+
+    async def _check(self, gate: Gate, sock: socket.socket) -> str:
+        """Why the peer is refused, or "" once its answer is good."""
+        try:
+            sock.send(gate.challenge, NOSIGNAL)  # a fresh socket takes 36 bytes at once
+        except OSError as exc:
+            return f"cannot send the challenge ({exc})"
+        while True:
+            await anyio.wait_readable(sock)
+            try:
+                n = sock.recv_into(gate.get_buffer())
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                return f"the connection broke ({exc})"
+            if n == 0:
+                return "closed the connection before the handshake"
+            try:
+                rest = gate.buffer_updated(n)
+            except Refused as exc:
+                return str(exc)
+            if rest is not None:
+                if rest:  # frames pipelined behind the answer
+                    self.reader.get_buffer()[: len(rest)] = rest
+                    self.reader.buffer_updated(len(rest))
+                return ""
 
     def _emit(self, frame: Buf) -> None:
         self._owner._inbound_frame(frame, self)

@@ -1,6 +1,7 @@
 """The stream transport's wire: its addresses, its framing, and a blocking sender.
 
-A frame travels as a 4-byte little-endian length followed by the frame's bytes.
+A frame travels as a 4-byte little-endian length followed by the frame's bytes, once
+the connection's handshake (:mod:`._auth`) is done.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ._nng import ipc_dir
+from ._auth import CHALLENGE_LEN, Refused, answer
+from ._paths import ipc_dir
 
 __all__ = [
     "HEADER",
@@ -169,6 +171,8 @@ class Reader:
         Raises:
             BadStream: a frame's length is above ``max_frame``.
         """
+        if self.stopped:
+            return
         big = self._big
         if big is not None:
             self._filled += n
@@ -216,15 +220,19 @@ class Reader:
 class StreamBeat:
     """Sends small frames to a stream address from a plain thread, never blocking long.
 
-    Connects on the first send and after a failure (waiting at most ``timeout``
-    seconds); a frame the connection cannot take at once is dropped.
+    Connects (and answers the listener's challenge, see :mod:`._auth`) on the first
+    send and after a failure, waiting at most ``timeout`` seconds; a frame the
+    connection cannot take at once is dropped.
 
     Args:
         addr: a stream transport address.
-        timeout: the longest a connect may take, in seconds.
+        own: the sender's own listening address, which it proves it speaks for.
+        timeout: the longest a connect and its handshake may take, in seconds.
     """
 
-    def __init__(self, addr: str, timeout: float = 1.0) -> None:
+    def __init__(self, addr: str, own: str = "", timeout: float = 1.0) -> None:
+        self._addr = addr
+        self._own = own
         self._family, self._sockaddr = parse_address(addr)
         self._timeout = timeout
         self._sock: socket.socket | None = None
@@ -243,7 +251,7 @@ class StreamBeat:
             return True
         except (BlockingIOError, InterruptedError):
             return False
-        except OSError:
+        except (OSError, Refused):
             self.close()
             return False
 
@@ -252,6 +260,13 @@ class StreamBeat:
         try:
             sock.settimeout(self._timeout)
             sock.connect(self._sockaddr)
+            challenge = b""
+            while len(challenge) < CHALLENGE_LEN:
+                got = sock.recv(CHALLENGE_LEN - len(challenge))
+                if not got:
+                    raise Refused("the listener closed the connection")
+                challenge += got
+            sock.sendall(answer(challenge, self._addr, self._own))
             sock.setblocking(False)
         except BaseException:
             sock.close()

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from .._runtime._runtime import Runtime as Runtime
 from .._runtime._runtime import open_runtime as _open_runtime
-from .._transport import NngTransport as NngTransport
 from .._transport import Transport as Transport
+from .._transport._nng import NngTransport as NngTransport
 from ._faulty import FaultyTransport as FaultyTransport
 from ._inprocess import InProcessHost as InProcessHost
 from ._inprocess import InProcessWorker as InProcessWorker

@@ -174,6 +174,9 @@ class FaultyTransport:
     def forget(self, addr: str) -> None:
         self._inner.forget(addr)
 
+    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
+        self._inner.set_lost_handler(handler)
+
     def statistics(self) -> TransportStats:
         return self._inner.statistics()
 

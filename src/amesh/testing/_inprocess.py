@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .. import _wire
-from .._hosts._local import ProcHandle, ReadyWaiter
+from .._hosts._local import ReadyWaiter
+from .._mesh._host import ProcHandle
 from .._runtime._runtime import Runtime
 from .._transport import Transport, open_transport
 from ._memory import MemoryTransport

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .._codec import shm_dir
-from .._transport._nng import ipc_dir
+from .._transport._paths import ipc_dir
 
 __all__ = [
     "LeakError",

@@ -25,6 +25,11 @@ class MemoryTransport:
     ``pause()`` and ``resume()`` stand in for SIGSTOP and SIGCONT: a paused transport
     neither delivers nor sends.
 
+    Links break as connections do: when a transport closes, every transport that sent
+    to it (and did not :meth:`forget` it) hears of it through its lost handler, and a
+    send to an address where nobody is reports that once. Handlers run in
+    :meth:`serve`. Peers share the process's job key: there is nothing to refuse.
+
     Args:
         max_queue: frames a receiver holds before senders wait (back-pressure).
     """
@@ -38,6 +43,11 @@ class MemoryTransport:
         self._resumed: anyio.Event | None = None
         self._closed = False
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
+        #: peers sent to since the last forget(), and addresses found unreachable
+        self._links: set[str] = set()
+        self._unreachable: set[str] = set()
+        self._lost_handler: Callable[[str, str], None] | None = None
+        self._lost: deque[tuple[str, str]] = deque()
         _registry[self._address] = self
 
     @property
@@ -82,8 +92,14 @@ class MemoryTransport:
         if self.paused:
             return False
         peer = _registry.get(addr)
-        if peer is not None and not peer._push(frame):
+        if peer is None:
+            if addr not in self._unreachable:
+                self._unreachable.add(addr)
+                self._report(addr, "cannot connect (nobody listens there)")
+        elif not peer._push(frame):
             return False
+        else:
+            self._links.add(addr)
         self._sent += 1
         self._bytes_sent += len(frame)
         return True
@@ -101,6 +117,12 @@ class MemoryTransport:
                 peer._room = anyio.Event()
             await peer._room.wait()
 
+    def _report(self, addr: str, why: str) -> None:
+        """Have serve() tell the lost handler that the link to ``addr`` broke."""
+        self._lost.append((addr, why))
+        if self._arrived is not None:
+            self._arrived.set()
+
     async def serve(self, deliver: Callable[[Any], None]) -> None:
         while True:
             if self._closed:
@@ -108,6 +130,10 @@ class MemoryTransport:
             if self._resumed is not None:
                 await self._resumed.wait()
                 continue
+            while self._lost:
+                addr, why = self._lost.popleft()
+                if self._lost_handler is not None:
+                    self._lost_handler(addr, why)
             if not self._queue:
                 self._arrived = anyio.Event()
                 await self._arrived.wait()
@@ -124,7 +150,11 @@ class MemoryTransport:
             await anyio.lowlevel.checkpoint()
 
     def forget(self, addr: str) -> None:
-        """Nothing to close: links are not kept."""
+        """Forget the link to ``addr``: its end is not reported."""
+        self._links.discard(addr)
+
+    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
+        self._lost_handler = handler
 
     def statistics(self) -> TransportStats:
         return TransportStats(
@@ -132,7 +162,8 @@ class MemoryTransport:
             frames_received=self._received,
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
-            peers=0,
+            peers=len(self._links),
+            auth_refused=0,
         )
 
     def close(self) -> None:
@@ -141,6 +172,11 @@ class MemoryTransport:
         self._closed = True
         _registry.pop(self._address, None)
         self._queue.clear()
+        self._lost.clear()
+        for peer in _registry.values():
+            if self._address in peer._links:
+                peer._links.discard(self._address)
+                peer._report(self._address, "the peer closed the connection")
         for ev in (self._arrived, self._room, self._resumed):
             if ev is not None:
                 ev.set()

@@ -7,21 +7,30 @@ writable, else one copy; a tensor that came through shared memory
 long as the tensor and its views. Non-contiguous tensors arrive contiguous, with the same
 values. CUDA tensors are copied to the CPU by the sender and arrive on the CPU; move
 them with ``.to(device)`` where you want them (amesh never guesses a device).
+
+This is part of the codec, below everything that sends payloads, and imports torch only
+where a tensor is at hand: :mod:`amesh._codec` calls :func:`reduce_tensor` when torch is
+already imported and it meets a tensor, and unpickling a tensor imports torch (the
+receiver needs it for the tensor anyway). ``amesh.torch`` is not needed for tensors to
+travel this way.
 """
 
 from __future__ import annotations
 
 import ctypes
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["rebuild_tensor", "reduce_tensor"]
 
 
 def reduce_tensor(t: torch.Tensor) -> Any:
     """``__reduce__`` for a dense tensor, or NotImplemented to pickle it as torch does."""
+    import torch  # already imported: ``t`` is a tensor
+
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         return NotImplemented
     requires_grad = t.requires_grad
@@ -54,6 +63,8 @@ def rebuild_tensor(
     buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool
 ) -> torch.Tensor:
     """The receiving side of :func:`reduce_tensor`: a view of ``buf`` where it is writable."""
+    import torch  # a tensor is being received: the receiver needs torch anyway
+
     view = memoryview(buf)
     if view.readonly:
         view = memoryview(bytearray(view))

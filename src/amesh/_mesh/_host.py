@@ -1,0 +1,122 @@
+"""What a ProcMesh needs from where its processes come from: the Host interface.
+
+Hosts (:mod:`amesh._hosts`) implement it and sit above ProcMesh, since
+``host.spawn_procs()`` makes a ProcMesh; the interface, the handle a host gives back
+for a process, and the default host live here, below ProcMesh, so that the mesh never
+imports the hosts layer. That layer registers this machine as the default host when it
+is imported (``import amesh`` imports it, and every ``amesh.*`` import runs that
+first).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+
+if TYPE_CHECKING:
+    from .._runtime._runtime import Runtime
+
+__all__ = [
+    "Host",
+    "ProcHandle",
+    "ProcessLike",
+    "default_host",
+    "describe_exit",
+    "set_default_host",
+]
+
+
+def describe_exit(returncode: int) -> str:
+    """``"exited with code 3"`` or ``"was killed by SIGKILL"``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+class ProcessLike(Protocol):
+    """What a host hands back for a worker: an OS process or a stand-in for one."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class ProcHandle:
+    """One worker process: its address, pid and OS handle."""
+
+    def __init__(self, addr: str, pid: int, process: ProcessLike) -> None:
+        self.addr = addr
+        self.pid = pid
+        self.process = process
+        self.expected_exit = False
+        #: a failure of this process was already reported
+        self.failed = False
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    async def stop(self, grace: float) -> None:
+        """Wait ``grace`` seconds for a requested exit, then terminate, then kill."""
+        proc = self.process
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(grace):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.terminate()
+                with anyio.move_on_after(2.0):
+                    await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await proc.aclose()
+
+
+class Host(Protocol):
+    """Where a ProcMesh's processes come from (this machine, later agents and SLURM)."""
+
+    async def start_proc(
+        self,
+        rt: Runtime,
+        scheme: str,
+        host: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        heartbeat_period: float = 0.5,
+    ) -> ProcHandle:
+        """Start one worker that reports Ready to ``rt`` and heartbeats to it."""
+        ...
+
+
+_default_host: Host | None = None
+
+
+def set_default_host(host: Host) -> None:
+    """Make ``host`` where a ProcMesh made without ``host=`` starts its processes."""
+    global _default_host
+    _default_host = host
+
+
+def default_host() -> Host:
+    """The host registered by :func:`set_default_host` (this machine, once amesh is imported).
+
+    Raises:
+        RuntimeError: none was registered.
+    """
+    if _default_host is None:
+        raise RuntimeError("no default host: `import amesh` registers this machine")
+    return _default_host

@@ -1,0 +1,335 @@
+"""The job key, and how a peer proves that it holds it before anything it sends is read.
+
+A job is one controller and every process it starts. The controller makes the key (32
+random bytes) on first use; a worker gets it from its parent over a private channel (the
+stdin pipe of an exec'd worker, the control socket of the zygote for a forked one) and
+adopts it before it opens its transport. The key is never on a command line, in the
+environment of an exec'd process, or in a file.
+
+Stream transport, once per connection (the listener speaks first)::
+
+    listener -> dialer   "AMC1" | nonce (32 random bytes)
+    dialer -> listener   "AMA1" | n (u16 LE) | dialer address (n bytes, UTF-8) | proof (32)
+                         ... and then frames, pipelined behind the answer
+
+    proof = HMAC-SHA256(key, STREAM_TAG | nonce | m (u16 LE) | listener address (m bytes)
+                             | dialer address)
+
+The listener's address is the one it advertises (and the dialer dialled): an answer
+given to whoever squats an address proves nothing to another listener. Before the
+challenge, a listener on a unix socket refuses a peer of another uid (SO_PEERCRED).
+
+NNG transports, the first message of every pipe (NNG speaks no handshake of ours)::
+
+    "AMN1" | nonce (16 random bytes) | time (u64 LE, ns since the epoch) | n (u16 LE)
+           | dialer address (n bytes) | proof (32)
+
+    proof = HMAC-SHA256(key, NNG_TAG | nonce | time | m (u16 LE) | listener address
+                             | dialer address)
+
+The listener takes a hello within :data:`HELLO_WINDOW` of its time and remembers its
+nonce as long, so a recorded hello cannot be replayed.
+
+Every refusal is counted and logged with the peer, at most one line per
+:data:`LOG_INTERVAL` seconds (a flood of bad connections costs one line).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from .._ratelog import RateLimitedLog
+
+__all__ = [
+    "ANSWER_MAX",
+    "CHALLENGE_LEN",
+    "HANDSHAKE_TIMEOUT",
+    "HELLO_WINDOW",
+    "KEY_SIZE",
+    "Gate",
+    "HelloCheck",
+    "Refusals",
+    "Refused",
+    "adopt_key",
+    "answer",
+    "check_peer",
+    "describe_peer",
+    "hello",
+    "job_key",
+]
+
+log = logging.getLogger("amesh.transport")
+
+KEY_SIZE = 32
+#: A peer that has not proven itself this many seconds after it connected is dropped.
+HANDSHAKE_TIMEOUT = 5.0
+#: An NNG hello is taken this long either side of the listener's clock.
+HELLO_WINDOW = 60.0
+#: At most one log line per this many seconds for refused peers.
+LOG_INTERVAL = 5.0
+#: The longest address a peer may claim (ours are well under 200 bytes).
+MAX_ADDRESS = 1024
+
+_STREAM_TAG = b"amesh stream auth v1\0"
+_NNG_TAG = b"amesh nng hello v1\0"
+_CHALLENGE = b"AMC1"
+_ANSWER = b"AMA1"
+_HELLO = b"AMN1"
+_NONCE = 32
+_HELLO_NONCE = 16
+_PROOF = 32
+_U16 = struct.Struct("<H")
+_U64 = struct.Struct("<Q")
+CHALLENGE_LEN = len(_CHALLENGE) + _NONCE
+_ANSWER_HEAD = len(_ANSWER) + _U16.size
+ANSWER_MAX = _ANSWER_HEAD + MAX_ADDRESS + _PROOF
+_HELLO_HEAD = len(_HELLO) + _HELLO_NONCE + _U64.size + _U16.size
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+_key: bytes | None = None
+_key_lock = threading.Lock()
+
+
+class Refused(Exception):
+    """A peer did not prove that it holds the job key (or a listener refused us)."""
+
+
+# -- the key ---------------------------------------------------------------------------
+
+
+def job_key() -> bytes:
+    """This job's key: the one adopted from the parent, else a fresh one (the
+    controller's, made on first use)."""
+    global _key
+    key = _key
+    if key is None:
+        with _key_lock:
+            if _key is None:
+                _key = secrets.token_bytes(KEY_SIZE)
+            key = _key
+    return key
+
+
+def adopt_key(key: bytes) -> None:
+    """Use ``key`` (the parent's) from now on; a worker does this before it opens its
+    transport.
+
+    Raises:
+        ValueError: ``key`` is not :data:`KEY_SIZE` bytes.
+    """
+    global _key
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"a job key has {KEY_SIZE} bytes, not {len(key)}")
+    with _key_lock:
+        _key = bytes(key)
+
+
+def _address_bytes(addr: str) -> bytes:
+    data = addr.encode()
+    if len(data) > MAX_ADDRESS:
+        raise ValueError(f"address longer than {MAX_ADDRESS} bytes: {addr[:80]!r}...")
+    return data
+
+
+def _bound(target: str) -> bytes:
+    data = _address_bytes(target)
+    return _U16.pack(len(data)) + data
+
+
+# -- stream transport ------------------------------------------------------------------
+
+
+def _stream_proof(nonce: bytes, target: str, dialer: bytes) -> bytes:
+    return hmac.digest(job_key(), _STREAM_TAG + nonce + _bound(target) + dialer, "sha256")
+
+
+def answer(challenge: bytes, target: str, own: str) -> bytes:
+    """The dialer's answer to the ``challenge`` of the listener at ``target``.
+
+    Args:
+        challenge: the :data:`CHALLENGE_LEN` bytes the listener sent.
+        target: the address the dialer dialled (the listener's own).
+        own: the dialer's listening address ("" for one that does not listen).
+
+    Raises:
+        Refused: ``challenge`` is not an amesh challenge.
+    """
+    if len(challenge) != CHALLENGE_LEN or not challenge.startswith(_CHALLENGE):
+        raise Refused("the peer did not send an amesh challenge")
+    me = _address_bytes(own)
+    return _ANSWER + _U16.pack(len(me)) + me + _stream_proof(challenge[4:], target, me)
+
+
+class Gate:
+    """The listener's side of one connection's handshake, without I/O.
+
+    Send :attr:`challenge`, then read into :meth:`get_buffer` and report the count to
+    :meth:`buffer_updated` until it returns the bytes that followed the answer.
+
+    Args:
+        target: the listener's own address.
+    """
+
+    __slots__ = ("_buf", "_filled", "_nonce", "_target", "challenge", "peer")
+
+    def __init__(self, target: str) -> None:
+        self._nonce = secrets.token_bytes(_NONCE)
+        self._target = target
+        self._buf = bytearray(ANSWER_MAX)
+        self._filled = 0
+        #: what to send first
+        self.challenge = _CHALLENGE + self._nonce
+        #: the dialer's address, once it proved itself
+        self.peer = ""
+
+    def get_buffer(self) -> memoryview:
+        return memoryview(self._buf)[self._filled :]
+
+    def buffer_updated(self, n: int) -> memoryview | None:
+        """Account ``n`` bytes read into the buffer.
+
+        Returns:
+            None while the answer is incomplete; then what the dialer sent behind it.
+
+        Raises:
+            Refused: the answer is not one, or its proof is wrong.
+        """
+        self._filled += n
+        buf, filled = self._buf, self._filled
+        head = min(filled, len(_ANSWER))
+        if buf[:head] != _ANSWER[:head]:
+            raise Refused("not an amesh handshake")
+        if filled < _ANSWER_HEAD:
+            return None
+        (size,) = _U16.unpack_from(buf, len(_ANSWER))
+        if size > MAX_ADDRESS:
+            raise Refused(f"an address of {size} bytes")
+        end = _ANSWER_HEAD + size + _PROOF
+        if filled < end:
+            return None
+        dialer = bytes(buf[_ANSWER_HEAD : _ANSWER_HEAD + size])
+        proof = bytes(buf[end - _PROOF : end])
+        if not hmac.compare_digest(proof, _stream_proof(self._nonce, self._target, dialer)):
+            raise Refused("wrong proof (not of this job)")
+        try:
+            self.peer = dialer.decode()
+        except UnicodeDecodeError:
+            raise Refused("an address that is not UTF-8") from None
+        return memoryview(buf)[end:filled]
+
+
+def describe_peer(sock: Any) -> tuple[str, int | None]:
+    """Who is at the other end of an accepted ``sock``: a description for the log, and
+    its uid where the kernel tells (unix sockets on Linux), else None."""
+    if sock.family == socket.AF_UNIX and hasattr(socket, "SO_PEERCRED"):
+        try:
+            pid, uid, _ = _CRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+            )
+        except OSError as exc:
+            return f"a unix socket peer ({exc})", -1
+        return f"pid {pid} (uid {uid})", uid
+    try:
+        name = sock.getpeername()
+    except OSError:
+        return "a peer that is gone", None
+    return (f"{name[0]}:{name[1]}" if isinstance(name, tuple) else repr(name)), None
+
+
+def check_peer(sock: Any) -> tuple[str, str]:
+    """``(who, why)`` for an accepted ``sock``: ``why`` is not empty when the peer is
+    refused before any challenge (a unix socket peer of another uid than ours)."""
+    who, uid = describe_peer(sock)
+    if uid is not None and uid != os.getuid():
+        return who, f"uid {uid} is not this job's uid {os.getuid()}"
+    return who, ""
+
+
+# -- NNG transports --------------------------------------------------------------------
+
+
+def _nng_proof(signed: bytes, target: str, dialer: bytes) -> bytes:
+    return hmac.digest(job_key(), _NNG_TAG + signed + _bound(target) + dialer, "sha256")
+
+
+def hello(target: str, own: str) -> bytes:
+    """The first message of an NNG link from ``own`` to the listener at ``target``."""
+    me = _address_bytes(own)
+    signed = secrets.token_bytes(_HELLO_NONCE) + _U64.pack(time.time_ns())
+    return _HELLO + signed + _U16.pack(len(me)) + me + _nng_proof(signed, target, me)
+
+
+class HelloCheck:
+    """Checks the hellos that open the pipes of one NNG listener, and remembers their
+    nonces for :data:`HELLO_WINDOW` so that none is taken twice.
+
+    Args:
+        target: the listener's own address.
+    """
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._seen: dict[bytes, int] = {}  # nonce -> its time (ns)
+        self._prune_at = 64
+
+    def check(self, msg: Any) -> str:
+        """The dialer's address, if ``msg`` is a fresh hello with the right proof.
+
+        Raises:
+            Refused: it is not.
+        """
+        data = bytes(msg[: _HELLO_HEAD + MAX_ADDRESS + _PROOF + 1])
+        if len(data) < _HELLO_HEAD or not data.startswith(_HELLO):
+            raise Refused("the first message is not an amesh hello")
+        (size,) = _U16.unpack_from(data, _HELLO_HEAD - _U16.size)
+        if size > MAX_ADDRESS or len(msg) != _HELLO_HEAD + size + _PROOF:
+            raise Refused("a malformed hello")
+        signed = data[len(_HELLO) : _HELLO_HEAD - _U16.size]
+        dialer = data[_HELLO_HEAD : _HELLO_HEAD + size]
+        proof = data[_HELLO_HEAD + size :]
+        if not hmac.compare_digest(proof, _nng_proof(signed, self._target, dialer)):
+            raise Refused("wrong proof (not of this job)")
+        nonce = signed[:_HELLO_NONCE]
+        (sent,) = _U64.unpack_from(signed, _HELLO_NONCE)
+        now = time.time_ns()
+        window = int(HELLO_WINDOW * 1e9)
+        if abs(now - sent) > window:
+            raise Refused("a hello out of its time window")
+        if nonce in self._seen:
+            raise Refused("a replayed hello")
+        self._seen[nonce] = sent
+        if len(self._seen) >= self._prune_at:
+            self._seen = {n: t for n, t in self._seen.items() if now - t <= window}
+            self._prune_at = 2 * len(self._seen) + 64
+        try:
+            return dialer.decode()
+        except UnicodeDecodeError:
+            raise Refused("an address that is not UTF-8") from None
+
+
+# -- refusals --------------------------------------------------------------------------
+
+
+class Refusals:
+    """Counts the peers a transport refused, and logs them (rate-limited).
+
+    Args:
+        own: the transport's address, for the log.
+    """
+
+    def __init__(self, own: str) -> None:
+        self.count = 0
+        self._own = own
+        self._log = RateLimitedLog(log, LOG_INTERVAL)
+
+    def refuse(self, who: str, why: str) -> None:
+        self.count += 1
+        self._log.warning("refused a connection from %s to %s: %s", who, self._own, why)

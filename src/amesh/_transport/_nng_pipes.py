@@ -1,0 +1,299 @@
+"""NNG sockets that know who is at the other end: the inbox that admits a pipe only
+once it has proven itself, and the link that proves itself and tells when it broke.
+
+Shared by the pure-pynng and the extension transports. NNG connects, reconnects and
+frames on its own threads and has no handshake of ours, so (see :mod:`._auth`):
+
+- A link's first message is a hello, sent before it dials: the first message of its
+  first pipe. A link lives for one pipe: when that pipe goes (the peer closed, or
+  refused the hello), or no pipe came within :data:`~._base.FIRST_CONNECT_WINDOW`, the
+  loss is reported on the event loop and the link is dropped (a link that never
+  connects is noticed by the sweeps that run while the transport serves). Should NNG
+  redial before that, the new pipe has no hello and the listener refuses it.
+- The inbox keeps the ids of proven pipes. A message from any other pipe must be a
+  valid hello: else it is dropped unread, the pipe is closed and counted. A pipe of
+  another uid (ipc and abstract sockets) is closed before it starts, and one that has
+  not said hello within :data:`~._auth.HANDSHAKE_TIMEOUT` is closed by :meth:`Inbox.sweep`.
+
+Pipe events arrive on NNG's threads (pynng takes the GIL for them): they only add to
+and remove from containers, whose single operations the GIL makes atomic, or hand a
+call over to the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import anyio
+import pynng
+import sniffio
+from pynng import _nng as _pynng_cffi
+
+from ._auth import HANDSHAKE_TIMEOUT, HelloCheck, Refusals, Refused, hello
+from ._base import FIRST_CONNECT_WINDOW
+from ._paths import ipc_dir
+
+__all__ = ["Inbox", "NngLink", "fresh_address", "notify_closing", "poster"]
+
+log = logging.getLogger("amesh.transport")
+
+_SEND_BUFFER = 1024
+#: Proven pipes that are gone are forgotten this many removals later: by then nothing
+#: they sent can still wait to be received.
+_GONE_KEPT = 1024
+_PEER_UID = b"ipc:peer-uid"
+_PEER_PID = b"ipc:peer-pid"
+
+Post = Callable[[Callable[[], None]], None]
+
+
+def notify_closing(fd: int) -> None:
+    """Wake tasks waiting on ``fd`` (ClosedResourceError) before NNG closes it."""
+    try:
+        anyio.notify_closing(fd)
+    except RuntimeError:  # no event loop in this thread: nobody here waits on it
+        pass
+
+
+def fresh_address(scheme: str, host: str) -> str:
+    """A new NNG address of ``scheme`` that nobody listens on (tcp: port 0)."""
+    name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    if scheme == "abstract":
+        return f"abstract://{name}"
+    if scheme == "ipc":
+        base = ipc_dir()
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        return f"ipc://{os.path.join(base, name)}.sock"
+    if scheme == "tcp":
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"tcp://{host}:0"
+    raise ValueError(f"unknown transport scheme {scheme!r} (abstract, ipc, tcp, auto)")
+
+
+def poster() -> Post | None:
+    """How an NNG thread hands a call to the event loop of the caller (None outside
+    any event loop)."""
+    try:
+        backend = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        backend = "asyncio"  # a loop callback (a deliver, say) runs outside any task
+    if backend == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def post_trio(fn: Callable[[], None]) -> None:
+            try:
+                token.run_sync_soon(fn)
+            except trio.RunFinishedError:
+                pass
+
+        return post_trio
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+    def post_asyncio(fn: Callable[[], None]) -> None:
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    return post_asyncio
+
+
+def _pipe_int(pipe: pynng.Pipe, option: bytes) -> int | None:
+    value = _pynng_cffi.ffi.new("uint64_t *")
+    if _pynng_cffi.lib.nng_pipe_get_uint64(pipe.pipe, option, value) != 0:
+        return None  # not a unix socket (tcp), or the pipe is gone
+    return int(value[0])
+
+
+def _describe(pipe: pynng.Pipe) -> str:
+    pid = _pipe_int(pipe, _PEER_PID)
+    if pid is not None:
+        return f"pid {pid} (uid {_pipe_int(pipe, _PEER_UID)}) on pipe {pipe.id}"
+    try:
+        return f"{pipe.remote_address} on pipe {pipe.id}"
+    except pynng.NNGException:
+        return f"pipe {pipe.id}"
+
+
+def _close_pipe(pipe: pynng.Pipe) -> None:
+    try:
+        pipe.close()
+    except pynng.NNGException:
+        pass  # already gone
+
+
+class Inbox:
+    """The Pull0 socket a transport receives on, listening on a fresh address, and
+    the proof each of its pipes gave (see the module's docstring).
+
+    Args:
+        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto`` (abstract on Linux, else ipc).
+        host: the address to listen on for tcp.
+        max_frame: the largest frame NNG accepts.
+        recv_buffer: NNG's receive buffer, in messages.
+    """
+
+    def __init__(self, scheme: str, host: str, max_frame: int, recv_buffer: int) -> None:
+        if scheme == "auto":
+            scheme = "abstract" if sys.platform == "linux" else "ipc"
+        #: ids of the pipes that said a good hello
+        self.proven: set[int] = set()
+        #: pipes that have not: id -> (pipe, when it must have)
+        self._unproven: dict[int, tuple[pynng.Pipe, float]] = {}
+        #: proven pipes that are gone, oldest first
+        self._gone: deque[int] = deque()
+        #: refusals seen on NNG's threads, for the event loop to count: (who, why)
+        self._early: deque[tuple[str, str]] = deque()
+        self.sock = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=recv_buffer)
+        try:
+            self.sock.add_pre_pipe_connect_cb(self._on_pipe)
+            self.sock.add_post_pipe_remove_cb(self._on_pipe_gone)
+            listener = self.sock.listen(fresh_address(scheme, host))
+        except BaseException:
+            self.sock.close()
+            raise
+        addr: str = listener.url
+        if scheme == "tcp" and addr.endswith(":0"):
+            # pynng's InAddr.port is in network byte order; its str() is right.
+            port = str(listener.local_address).rsplit(":", 1)[1]
+            addr = addr.rsplit(":", 1)[0] + f":{port}"
+        self.address = addr
+        self.refusals = Refusals(addr)
+        self._check = HelloCheck(addr)
+        self._ipc_path = addr[len("ipc://") :] if scheme == "ipc" else None
+
+    # NNG's threads ------------------------------------------------------------------
+
+    def _on_pipe(self, pipe: pynng.Pipe) -> None:
+        """A new pipe, before it starts (so before any of its messages)."""
+        uid = _pipe_int(pipe, _PEER_UID)
+        if uid is not None and uid != os.getuid():
+            self._early.append((_describe(pipe), f"uid {uid} is not this job's uid"))
+            pipe.close()
+            return
+        self._unproven[pipe.id] = (pipe, time.monotonic() + HANDSHAKE_TIMEOUT)
+
+    def _on_pipe_gone(self, pipe: pynng.Pipe) -> None:
+        self._unproven.pop(pipe.id, None)
+        if pipe.id in self.proven:
+            self._gone.append(pipe.id)
+            while len(self._gone) > _GONE_KEPT:
+                self.proven.discard(self._gone.popleft())
+
+    # the event loop -------------------------------------------------------------------
+
+    def admit(self, pipe: int, msg: Any) -> None:
+        """A message from a pipe that is not proven: its hello, or a refusal. What a
+        refused pipe sent after it is dropped unread (and not counted again)."""
+        entry = self._unproven.pop(pipe, None)
+        if entry is None:
+            return  # refused already (every pipe is listed before its first message)
+        try:
+            self._check.check(msg)
+        except Refused as exc:
+            self.refusals.refuse(_describe(entry[0]), str(exc))
+            _close_pipe(entry[0])
+            return
+        self.proven.add(pipe)
+
+    def sweep(self) -> None:
+        """Close the pipes that were too slow to say hello (and log the refusals seen
+        on NNG's threads)."""
+        self.refused()
+        now = time.monotonic()
+        for pid, (pipe, deadline) in list(self._unproven.items()):
+            if now >= deadline and self._unproven.pop(pid, None) is not None:
+                if pid not in self.proven:
+                    self.refusals.refuse(
+                        _describe(pipe), f"no hello within {HANDSHAKE_TIMEOUT:g} s"
+                    )
+                    _close_pipe(pipe)
+
+    def refused(self) -> int:
+        """How many peers were refused so far."""
+        while self._early:
+            who, why = self._early.popleft()
+            self.refusals.refuse(who, why)
+        return self.refusals.count
+
+    def close(self) -> None:
+        """Close the socket and remove its socket file (ipc)."""
+        self.sock.close()
+        self._unproven.clear()
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+
+
+class NngLink:
+    """The Push0 socket towards one peer, for one pipe: it says hello first, and
+    reports (``on_lost``, on the event loop) when that pipe goes or never comes.
+
+    Args:
+        addr: the peer's address.
+        own: this transport's address, which the hello proves it speaks for.
+        on_lost: called with the link and why, once.
+    """
+
+    __slots__ = ("_fd", "_on_lost", "_post", "addr", "connected", "deadline", "id", "lock", "sock")
+
+    def __init__(self, addr: str, own: str, on_lost: Callable[[NngLink, str], None]) -> None:
+        self.addr = addr
+        self._on_lost = on_lost
+        self._post = poster()
+        self.connected = False
+        #: when a link that never connected is given up
+        self.deadline = time.monotonic() + FIRST_CONNECT_WINDOW
+        self.lock: anyio.Lock | None = None
+        self._fd = -1
+        sock = pynng.Push0(
+            send_buffer_size=_SEND_BUFFER, reconnect_time_min=10, reconnect_time_max=200
+        )
+        try:
+            sock.add_post_pipe_connect_cb(self._on_pipe)
+            sock.add_post_pipe_remove_cb(self._on_pipe_gone)
+            sock.send(hello(addr, own), block=False)  # queued: the first of the first pipe
+            sock.dial(addr, block=False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.id: int = sock.socket.id
+
+    def _on_pipe(self, pipe: pynng.Pipe) -> None:
+        self.connected = True
+
+    def _on_pipe_gone(self, pipe: pynng.Pipe) -> None:
+        if self._post is not None:
+            self._post(partial(self._on_lost, self, "the connection was lost"))
+
+    def overdue(self, now: float) -> bool:
+        """Whether it never connected within its window."""
+        return not self.connected and now >= self.deadline
+
+    def send_fd(self) -> int:
+        if self._fd < 0:
+            self._fd = self.sock.send_fd
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            notify_closing(self._fd)
+        self.sock.close()
