@@ -44,6 +44,7 @@ themselves when this process dies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -142,8 +143,17 @@ async def sigkill_non_owner(trials: int) -> list[float]:
                     async def call(got: list[float] = got) -> None:
                         got.append(await proxy.call_hang.call_one(rank1))
 
+                    async def own_call() -> None:
+                        # The non-owner may hear of the death first (its own broken
+                        # link): wait until the owner has too, so that ready() below
+                        # waits for the restart.
+                        with contextlib.suppress(SupervisionError):
+                            await rank1.hang.call_one()
+
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(call)
+                        await rank1.wait_hanging.call_one()
+                        tg.start_soon(own_call)
                         await rank1.wait_hanging.call_one()
                         t0 = time.perf_counter()
                         os.kill(procs.pids[1], signal.SIGKILL)

@@ -117,5 +117,5 @@ class Peers:
         failure = Failure(f"process at {addr}", -1, pid, cause)
         if host is not None:
             failure = Failure(failure.mesh, -1, pid, cause, host=host)
-        log.warning("lost the connection to %s: %s", addr, why)
+        log.info("lost the connection to %s: %s", addr, why)
         self.failed(addr, failure)
