@@ -186,3 +186,16 @@ async def test_a_cancelled_body_still_receives() -> None:
         with pytest.raises(SupervisionError, match="exited with code 3"):
             await anyio.to_thread.run_sync(amesh.run, main)
     assert len(answers) == 1
+
+
+async def test_leaving_a_mesh_while_it_restarts_a_process() -> None:
+    """The scope ends while a restart is under way: no failure is raised, and the
+    process being started for the restart is stopped too (the leak check sees to it)."""
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 2}) as procs:
+            c = await procs.spawn("c", Counter, restart="one_for_one")
+            os.kill(procs.pids[1], signal.SIGKILL)
+            with pytest.raises(SupervisionError):
+                await c.slice(procs=1).hang.call_one()
+            # the owner has seen the death (the call failed), the restart is under way
+            assert procs._live().restarting == 1

@@ -237,6 +237,11 @@ class MeshSupervisor:
             return None
         return sorted(slots)
 
+    def _restart_done(self, st: MeshState) -> None:
+        st.restarting -= 1
+        st.restarted.set()
+        st.restarted = anyio.Event()
+
     async def restart(self, st: MeshState, slots: list[int], failure: Failure) -> None:
         rt = st.runtime
         try:
@@ -261,6 +266,13 @@ class MeshSupervisor:
                         h.process.kill()
                     tg.start_soon(h.stop, 0)
             fresh = await self._life.start_procs(rt, len(slots))
+            if st.closing:  # the mesh is being stopped: these are not wanted any more
+                for h in fresh:
+                    h.expected_exit = True
+                    h.process.kill()
+                    await h.stop(0)
+                self._restart_done(st)
+                return
             for s, h in zip(slots, fresh):
                 st.procs[s] = h
                 st.addrs[s] = h.addr
@@ -271,6 +283,9 @@ class MeshSupervisor:
             st.restarts += 1
             log.warning("restarted process slot(s) %s after: %s", slots, failure)
         except Exception as exc:
+            if st.closing:  # stopped by its owner meanwhile: nothing to escalate
+                self._restart_done(st)
+                return
             log.exception("restart failed")
             st.restarting -= 1
             st.restarted.set()
