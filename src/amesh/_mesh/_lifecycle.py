@@ -183,8 +183,15 @@ class Lifecycle:
         # the control plane stays direct: no relay may be mid-exit while relaying
         return ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, shape, [p.addr for p in procs])
 
-    async def spawn_ranks(self, st: MeshState, sp: Spawned, slots: set[int] | None) -> None:
-        """Construct the actors of ``sp`` on every rank, or on those in ``slots``."""
+    async def spawn_ranks(
+        self,
+        st: MeshState,
+        sp: Spawned,
+        slots: set[int] | None,
+        addrs: list[str] | None = None,
+    ) -> None:
+        """Construct the actors of ``sp`` on every rank, or on those in ``slots``
+        (at ``addrs`` by slot: restarted processes not yet published in ``st.addrs``)."""
         mesh = sp.mesh
         shape = mesh.shape
         ranks = [r for r, s in enumerate(shape.slots) if slots is None or s in slots]
@@ -195,7 +202,7 @@ class Lifecycle:
             AGENT_KEY,
             ProcAgent,
             Shape(["ranks"], [len(ranks)], [shape.slots[r] for r in ranks]),
-            st.addrs,
+            st.addrs if addrs is None else addrs,
         )
         try:
             await agents.spawn_actor.call(

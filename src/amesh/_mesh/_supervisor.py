@@ -273,13 +273,19 @@ class MeshSupervisor:
                     await h.stop(0)
                 self._restart_done(st)
                 return
+            # Callers keep the old (dead) addresses, and fail at once, until every
+            # actor is back: published earlier, a call would reach a process that
+            # does not run its actor yet (a LookupError, not a SupervisionError).
+            addrs = list(st.addrs)
             for s, h in zip(slots, fresh):
                 st.procs[s] = h
-                st.addrs[s] = h.addr
+                addrs[s] = h.addr
                 self.supervise_proc(st, s, h)
             affected = [sp for sp in st.spawned.values() if set(slots) & set(sp.mesh.shape.slots)]
             for sp in affected:
-                await self._life.spawn_ranks(st, sp, set(slots))
+                await self._life.spawn_ranks(st, sp, set(slots), addrs)
+            for s in slots:
+                st.addrs[s] = addrs[s]
             st.restarts += 1
             log.warning("restarted process slot(s) %s after: %s", slots, failure)
         except Exception as exc:

@@ -237,9 +237,19 @@ class Router:
         (as a failure of the relay's rank only) and tell the relays above to stop
         waiting for them."""
         lost = [r for r, path in pending.via.items() if addr in path and r in pending.targets]
+        # The requests may be running behind the dead relay: nobody waits for their
+        # results now, so cancel them there, and the gathers of the relays below it
+        # (paths run from the top; the relays above still gather for other ranks).
+        behind = {pending.targets[r] for r in lost}
+        for r in lost:
+            path = pending.via[r]
+            behind.update(path[path.index(addr) + 1 :])
         for rank in lost:
             msg = f"the result of rank {rank} was lost: the process relaying it {why.cause}"
             self._calls.fail_rank(pending, rank, why, msg)
+        for peer in behind:
+            if peer not in self._dead:
+                self._links.send_nowait(peer, _wire.Cancel(self.address, pending.call_id))
         if lost:
             prune = _wire.Prune(self.address, pending.call_id, lost)
             for relay in pending.relays:
