@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
+import stat
+from pathlib import Path
 
 import anyio
 import pytest
 
 from amesh import ActorError, ProcMesh
 from amesh._ratelog import RateLimitedLog
+from amesh._transport import StreamTransport
 
 from .actors import Awkward
 
@@ -46,3 +50,33 @@ def test_drop_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> Non
     assert caplog.records[-1].getMessage() == (
         "dropped frame 1000 (and 999 more like it in the last 3600 s)"
     )
+
+
+def test_the_ipc_directory_must_be_ours_and_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A socket directory that others can enter, or that belongs to someone else, is
+    refused with a clear error; a missing one is created with mode 0700."""
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("AMESH_IPC_DIR", str(fresh))
+    StreamTransport("ipc").close()
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    monkeypatch.setenv("AMESH_IPC_DIR", str(loose))
+    with pytest.raises(PermissionError, match="has mode 755"):
+        StreamTransport("ipc")
+    assert os.listdir(loose) == []  # nothing was bound there
+
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        other = 65534
+    else:
+        theirs, other = Path("/"), 0  # root's, not ours
+    monkeypatch.setenv("AMESH_IPC_DIR", str(theirs))
+    with pytest.raises(PermissionError, match=f"belongs to uid {other}"):
+        StreamTransport("ipc")

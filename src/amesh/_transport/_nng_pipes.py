@@ -40,7 +40,7 @@ from pynng import _nng as _pynng_cffi
 
 from ._auth import HANDSHAKE_TIMEOUT, HelloCheck, Refusals, Refused, hello
 from ._base import FIRST_CONNECT_WINDOW
-from ._paths import ipc_dir
+from ._paths import ensure_ipc_dir
 
 __all__ = ["Inbox", "NngLink", "fresh_address", "notify_closing", "poster"]
 
@@ -70,8 +70,7 @@ def fresh_address(scheme: str, host: str) -> str:
     if scheme == "abstract":
         return f"abstract://{name}"
     if scheme == "ipc":
-        base = ipc_dir()
-        os.makedirs(base, mode=0o700, exist_ok=True)
+        base = ensure_ipc_dir()
         return f"ipc://{os.path.join(base, name)}.sock"
     if scheme == "tcp":
         if ":" in host and not host.startswith("["):

@@ -71,7 +71,7 @@ import sniffio
 from ._auth import Refusals
 from ._base import TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
-from ._paths import ipc_dir
+from ._paths import ensure_ipc_dir
 from ._stream_io import (
     HIGH_WATER,
     AioInbound,
@@ -109,7 +109,7 @@ def _listen(scheme: str, host: str) -> tuple[socket.socket, str, str | None]:
     addr = fresh_address(scheme, host.strip("[]"))
     family, sockaddr = parse_address(addr)
     if scheme == "ipc":
-        os.makedirs(ipc_dir(), mode=0o700, exist_ok=True)
+        ensure_ipc_dir()
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
