@@ -118,9 +118,7 @@ class Runtime:
         self.relays = Relays(self.address, self.calls, self.links)
         self.peers = Peers(dead, self.calls, self.router, self.links)
         self.dispatch = Dispatch(self.links, self.start_soon)
-        set_lost = getattr(transport, "set_lost_handler", None)
-        if set_lost is not None:
-            set_lost(self.peers.link_lost)
+        transport.set_lost_handler(self.peers.link_lost)
         # shared containers, by the names the rest of amesh uses
         self.pending = self.calls.pending
         self.inflight = self.calls.inflight
@@ -167,7 +165,7 @@ class Runtime:
             gathers=len(self.relays.gathers),
             credit_waits=self.links.credit_waits,
             heartbeats_received=self._heartbeats,
-            auth_refused=getattr(t, "auth_refused", 0),
+            auth_refused=t.auth_refused,
             casts_resent=self.router.resent,
             death_notices=self.peers.notices,
         )
