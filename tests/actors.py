@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any
 
 import anyio
@@ -383,23 +382,6 @@ class Sink(Actor):
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024
         raise AssertionError("no VmHWM in /proc/self/status")
-
-
-class Proxy(Actor):
-    """Calls another mesh it was handed (not its owner)."""
-
-    @endpoint(concurrent=True)
-    async def call_hang(self, other: ActorMesh[Counter]) -> tuple[str, str, float]:
-        """Wait on ``other``'s ``hang_concurrent``; what ended it, and when (monotonic clock)."""
-        try:
-            await other.hang_concurrent.call_one()
-        except Exception as exc:
-            return type(exc).__name__, str(exc), time.monotonic()
-        return "returned", "", time.monotonic()
-
-    @endpoint
-    async def get_from(self, other: ActorMesh[Counter]) -> int:
-        return await other.get.call_one()
 
 
 class BadStr(Exception):

@@ -16,6 +16,7 @@ Every call waiting on a dead peer fails at once, and later sends to it fail at o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
@@ -113,9 +114,8 @@ class Peers:
             watcher(why)
             return
         host, pid = peer_of(addr)
-        cause = f"its connection was lost ({why})"
-        failure = Failure(f"process at {addr}", -1, pid, cause)
+        failure = Failure(f"process at {addr}", -1, pid, f"its connection was lost ({why})")
         if host is not None:
-            failure = Failure(failure.mesh, -1, pid, cause, host=host)
+            failure = dataclasses.replace(failure, host=host)
         log.info("lost the connection to %s: %s", addr, why)
         self.failed(addr, failure)
