@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import anyio
 
+import amesh
 from amesh import Actor, ActorMesh, ValueMesh, current_actor, current_rank, current_size, endpoint
 from amesh._runtime._context import call_context
 from amesh._runtime._runtime import current_runtime
@@ -472,3 +474,104 @@ class Caller(Actor):
             return "ok", await getattr(other, method).call_one()
         except Exception as exc:
             return type(exc).__name__, str(exc)
+
+
+#: released by Sync.release_pickle; SlowPickle waits for it while being pickled
+_PICKLE_GATE = threading.Event()
+
+
+class SlowPickle:
+    """A result whose pickling takes as long as the test wants."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if not _PICKLE_GATE.wait(60):
+            raise RuntimeError("never released")
+        return (str, ("pickled",))
+
+
+class Sync(Actor):
+    """Sync endpoints: on the event loop's thread, and in a worker thread."""
+
+    def __init__(self) -> None:
+        self.saw_cancel = False
+        self.loop_thread = threading.get_ident()
+        self.running = threading.Event()
+
+    @endpoint(thread=True)
+    def until_cancelled(self) -> tuple[bool, str]:
+        """Runs in a worker thread until its caller gives up (polling is the work)."""
+        self.running.set()
+        while not amesh.cancelled():
+            time.sleep(0.01)
+        self.saw_cancel = True
+        return threading.get_ident() != self.loop_thread, "stopped"
+
+    @endpoint(thread=True)
+    def in_thread(self, x: int) -> tuple[bool, int]:
+        return threading.get_ident() != self.loop_thread, x + 1
+
+    @endpoint
+    def on_loop(self, path: str, size: int) -> bytes:
+        """Blocks the event loop until ``path`` exists, then returns ``size`` bytes."""
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return b"r" * size
+
+    @endpoint(concurrent=True)
+    def is_running(self) -> bool:
+        return self.running.is_set()
+
+    @endpoint(concurrent=True)
+    def seen_cancel(self) -> bool:
+        return self.saw_cancel
+
+    @endpoint
+    def serial_seen_cancel(self) -> bool:
+        return self.saw_cancel
+
+    @endpoint(concurrent=True)
+    def slow_result(self) -> SlowPickle:
+        return SlowPickle()
+
+    @endpoint(concurrent=True)
+    def release_pickle(self) -> None:
+        _PICKLE_GATE.set()
+
+    @endpoint(concurrent=True)
+    def ping(self) -> str:
+        return "pong"
+
+
+class Big(Actor):
+    """Takes and makes large payloads."""
+
+    def __init__(self) -> None:
+        self.held: bytes = b""
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def fingerprint(self, data: bytes) -> tuple[int, bytes, bytes]:
+        return len(data), bytes(data[:: 1 << 20]), bytes(data[-100:])
+
+    @endpoint
+    def make(self, n: int) -> bytes:
+        pattern = bytes(range(251))
+        return (pattern * (n // len(pattern) + 1))[:n]
+
+    @endpoint
+    def keep(self, data: bytes) -> None:
+        self.held = data
+
+    @endpoint
+    def kept(self) -> tuple[int, bytes, bytes]:
+        data, self.held = self.held, b""
+        return len(data), bytes(data[:: 1 << 20]), bytes(data[-100:])
+
+    @endpoint
+    def peak_rss_mib(self) -> float:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -257,7 +257,8 @@ def test_a_sender_that_ends_leaves_no_segment(end: str) -> None:
     )
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout)
-    left = {name for name in shm_files() if name.startswith(f"amesh-{pid}-")}
+    # amesh-<job>-<pid>.<start time>.<pid namespace>-<n>-<random>
+    left = {name for name in shm_files() if name.split("-")[2].startswith(f"{pid}.")}
     if end == "exits":
         assert left == set()  # atexit released them
     else:

@@ -53,7 +53,7 @@ _NO_PYNNG = textwrap.dedent(
         assert isinstance(t, StreamTransport), t
         got: list[bytes] = []
         async with anyio.create_task_group() as tg:
-            tg.start_soon(t.serve, lambda f: (got.append(bytes(f)), tg.cancel_scope.cancel()))
+            tg.start_soon(t.serve, lambda f, peer: (got.append(bytes(f)), tg.cancel_scope.cancel()))
             await t.send(t.address, b"ping")
         beat = heartbeat_sender(t.address)
         beat.close()

@@ -10,11 +10,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from amesh import ActorError, ProcMesh
+from amesh import ActorError, ProcMesh, _codec, _wire
 from amesh._ratelog import RateLimitedLog
+from amesh._runtime._runtime import current_runtime
 from amesh._transport import StreamTransport
 
-from .actors import Awkward
+from .actors import Awkward, Counter
 
 pytestmark = pytest.mark.anyio
 
@@ -80,3 +81,56 @@ def test_the_ipc_directory_must_be_ours_and_closed(
     monkeypatch.setenv("AMESH_IPC_DIR", str(theirs))
     with pytest.raises(PermissionError, match=f"belongs to uid {other}"):
         StreamTransport("ipc")
+
+
+async def test_forged_replies_are_refused() -> None:
+    """A process of the job that the call did not go to sprays replies (plain and
+    gathered) for every call id, and heartbeats and credit in a worker's name: all are
+    dropped and counted; the user's call returns the worker's own result."""
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 1}) as procs:
+            c = await procs.spawn("c", Counter)
+            rt = current_runtime()
+            async with anyio.create_task_group() as tg:
+                result: list[int] = []
+
+                async def call() -> None:
+                    result.append(await c.wait_released.call_one())
+
+                tg.start_soon(call)
+                await c.wait_started.call_one()
+                (in_flight,) = [p.call_id for p in rt.pending.values() if p.targets]
+                worker = next(iter(rt.heartbeats))
+                forged = _codec.dumps("forged")
+                data, lengths, parts = _wire.pack(forged.data, forged.buffers)
+                mole = StreamTransport()
+                try:
+                    ids = sorted({in_flight, *range(1, 3000)})
+                    for cid in ids:
+                        await mole.send(
+                            rt.address, _wire.encode(_wire.Reply(cid, 0, data, lengths), parts)
+                        )
+                        gathered = _wire.Gathered(
+                            cid, [_wire.Reply(cid, 0, data, lengths)], lengths
+                        )
+                        await mole.send(rt.address, _wire.encode(gathered, parts))
+                    await mole.send(rt.address, _wire.encode(_wire.Heartbeat(worker, 1)))
+                    await mole.send(
+                        rt.address, _wire.encode(_wire.Credit(worker, c.key, 10**6, 10**9))
+                    )
+                    # frames of one connection arrive in order: once this one is
+                    # in, every forged frame before it was handled
+                    done = anyio.Event()
+                    rt.ready_waiters["mole"] = lambda env: done.set()
+                    await mole.send(rt.address, _wire.encode(_wire.Ready("mole", mole.address, 1)))
+                    await done.wait()
+                finally:
+                    mole.close()
+                stats = rt.statistics()
+                # the call in flight was answered twice by the mole: both refused
+                assert stats.replies_refused == 2
+                assert stats.replies_dropped == 2 * (len(ids) - 1)
+                assert stats.frames_refused == 2
+                assert rt.pending  # still waiting for the worker's answer
+                await c.release.call_one()
+            assert result == [0]

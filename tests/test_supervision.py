@@ -94,6 +94,33 @@ async def test_later_calls_to_a_dead_rank_fail_at_once_and_others_work() -> None
         assert [f.rank for f in failures] == [1]
 
 
+async def test_supervision_messages_name_the_mesh_rank() -> None:
+    """A failure seen through a slice names the rank in the whole mesh, and the rank
+    in the called slice where that differs: for a call in flight and a later one."""
+    seen = anyio.Event()
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 4}, supervise=lambda f: seen.set() or True) as procs:
+            m = await procs.spawn("m", Counter)
+            tail = m.slice(procs=slice(2, 4))
+            victim = procs.pids[3]
+            async with anyio.create_task_group() as tg:
+
+                async def kill_when_running() -> None:
+                    await tail.slice(procs=1).wait_started.call_one()
+                    os.kill(victim, signal.SIGKILL)
+
+                tg.start_soon(kill_when_running)
+                with pytest.raises(SupervisionError) as in_flight:
+                    await tail.hang_concurrent.call()
+            await seen.wait()
+            with pytest.raises(SupervisionError) as later:
+                await tail.incr.call()
+    for info in (in_flight, later):
+        err = info.value
+        assert "at rank 3 (rank 1 of the called slice)" in str(err), str(err)
+        assert [f.rank for f in err.failures] == [3]
+
+
 async def test_broadcast_exception_fails_the_actor_and_the_scope() -> None:
     with anyio.fail_after(60):
         with pytest.raises(SupervisionError, match="exploded under broadcast") as info:

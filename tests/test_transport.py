@@ -210,16 +210,19 @@ class Inbox:
     def __init__(self) -> None:
         self._tx, self._rx = anyio.create_memory_object_stream[bytes](math.inf)
         self.kept: list[Any] = []
+        #: the sender each frame came from, as the transport proved it
+        self.peers: list[str] = []
 
-    def deliver(self, frame: bytes) -> None:
+    def deliver(self, frame: bytes, peer: str) -> None:
         self.kept.append(frame)
+        self.peers.append(peer)
         self._tx.send_nowait(bytes(frame))
 
     async def take(self, n: int) -> list[bytes]:
         return [await self._rx.receive() for _ in range(n)]
 
 
-async def serve_until_closed(t: Transport, deliver: Callable[[Any], None]) -> None:
+async def serve_until_closed(t: Transport, deliver: Callable[[Any, str], None]) -> None:
     with pytest.raises(TransportClosed):
         await t.serve(deliver)
 
@@ -264,6 +267,8 @@ async def test_ordering(make: Factory) -> None:
             got = await inbox.take(n)
             tg.cancel_scope.cancel()
     assert [int.from_bytes(f[:4], "little") for f in got] == list(range(n))
+    # every frame is delivered with the address its sender proved it speaks for
+    assert set(inbox.peers) == {a.address}
     assert a.statistics().frames_sent == n
     assert a.statistics().bytes_sent == 64 * n
     assert a.statistics().peers == 1
@@ -429,7 +434,7 @@ async def test_close_while_delivering(make: Factory) -> None:
     a, b = make(), make()
     seen: list[bytes] = []
 
-    def deliver(frame: bytes) -> None:
+    def deliver(frame: bytes, peer: str) -> None:
         seen.append(bytes(frame))
         b.close()
 
@@ -723,10 +728,10 @@ async def test_stream_deliver_failure_loses_nothing_else(make_stream: Factory) -
     """An exception from deliver ends serve(); frames behind it wait for the next one."""
     a, b, inbox = make_stream(), make_stream(), Inbox()
 
-    def deliver(frame: bytes) -> None:
+    def deliver(frame: bytes, peer: str) -> None:
         if frame == b"boom":
             raise KeyError("boom")
-        inbox.deliver(frame)
+        inbox.deliver(frame, peer)
 
     with anyio.fail_after(30):
         for frame in (b"1", b"boom", b"2", b"3"):

@@ -74,7 +74,7 @@ class RawPeer:
         self.transport = open_transport()
         self.address = self.transport.address
         send, self._inbox = anyio.create_memory_object_stream[bytes](100)
-        tg.start_soon(self.transport.serve, lambda f: send.send_nowait(bytes(f)))
+        tg.start_soon(self.transport.serve, lambda f, peer: send.send_nowait(bytes(f)))
 
     async def send(self, addr: str, frame: bytes) -> None:
         await self.transport.send(addr, frame)

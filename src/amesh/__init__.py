@@ -12,6 +12,7 @@ in pyproject.toml).
 from __future__ import annotations
 
 from ._actor import Actor as Actor
+from ._actor import cancelled as cancelled
 from ._actor import current_actor as current_actor
 from ._actor import current_rank as current_rank
 from ._actor import current_size as current_size
@@ -51,6 +52,7 @@ __all__ = [
     "Shape",
     "SupervisionError",
     "ValueMesh",
+    "cancelled",
     "current_actor",
     "current_rank",
     "current_size",

@@ -14,6 +14,7 @@ from ._shape import Point
 __all__ = [
     "Actor",
     "EndpointDescriptor",
+    "cancelled",
     "current_actor",
     "current_rank",
     "current_size",
@@ -28,11 +29,19 @@ R = TypeVar("R")
 class EndpointDescriptor(Generic[P, R]):
     """An ``@endpoint`` method. On an actor instance it is the plain method."""
 
-    def __init__(self, fn: Callable[..., Any], concurrent: bool = False) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], concurrent: bool = False, thread: bool = False
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"@endpoint needs a function, got {fn!r}")
+        if thread and inspect.iscoroutinefunction(fn):
+            raise TypeError(
+                f"@endpoint(thread=True) needs a plain (sync) function; {fn.__name__} is "
+                "async and runs on the event loop anyway"
+            )
         self.fn = fn
         self.concurrent = concurrent
+        self.thread = thread
         self.name = fn.__name__
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -89,18 +98,37 @@ class EndpointDescriptor(Generic[P, R]):
 def endpoint(fn: Callable[P, R], /) -> EndpointDescriptor[P, R]: ...
 @overload
 def endpoint(
-    *, concurrent: bool = False
+    *, concurrent: bool = False, thread: bool = False
 ) -> Callable[[Callable[P, R]], EndpointDescriptor[P, R]]: ...
-def endpoint(fn: Any = None, /, *, concurrent: bool = False) -> Any:
+def endpoint(fn: Any = None, /, *, concurrent: bool = False, thread: bool = False) -> Any:
     """Mark an actor method as callable through a mesh.
 
     Use bare (``@endpoint``) or with options (``@endpoint(concurrent=True)``). The
     method may be sync or async. By default an actor handles one message at a time;
     ``concurrent=True`` lets calls of this endpoint interleave at their ``await``s.
+
+    Where handlers run, and what a caller's timeout or cancel does to them:
+
+    - async endpoints run on the process's event loop; a cancel interrupts them at
+      their next ``await``.
+    - sync endpoints run on the event loop's thread (the thread that ran ``__init__``:
+      what CUDA's current device and stream expect). While one runs, the process
+      handles nothing else, and nothing can interrupt it: a caller that gave up gets
+      its ``TimeoutError`` at once, and the result is discarded when the handler
+      returns.
+    - ``thread=True`` runs a sync endpoint in a worker thread: the process goes on
+      with its other calls, cancels and heartbeats meanwhile. Nothing can stop a
+      thread from outside either; after a cancel :func:`cancelled` returns True in
+      it, so a long handler can check it and return early. The actor stays serial:
+      its next message waits until the handler returned, cancelled or not.
+
+    A result that is not obviously cheap to pickle (large containers, arbitrary
+    objects) is pickled in a worker thread, so a slow pickle holds up only its own
+    call.
     """
     if fn is None:
-        return lambda f: EndpointDescriptor(f, concurrent)
-    return EndpointDescriptor(fn, concurrent)
+        return lambda f: EndpointDescriptor(f, concurrent, thread)
+    return EndpointDescriptor(fn, concurrent, thread)
 
 
 class Actor:
@@ -129,7 +157,7 @@ class Actor:
 def handlers_of(cls: type) -> dict[str, Handler]:
     """The dispatch table of an actor class."""
     eps: dict[str, EndpointDescriptor[Any, Any]] = getattr(cls, "_amesh_endpoints", {})
-    return {name: Handler(ep.fn, ep.concurrent) for name, ep in eps.items()}
+    return {name: Handler(ep.fn, ep.concurrent, ep.thread) for name, ep in eps.items()}
 
 
 def _ctx() -> Any:
@@ -151,6 +179,18 @@ def current_rank() -> Point:
 def current_size() -> dict[str, int]:
     """The sizes of the mesh (or slice) that sent the current message."""
     return dict(_ctx().point.sizes)
+
+
+def cancelled() -> bool:
+    """True once the caller of the current message gave up on it (timeout, cancel,
+    the caller's death), or the actor failed. For ``@endpoint(thread=True)``
+    handlers, which nothing can interrupt from outside: check it and return early.
+
+    Raises:
+        RuntimeError: outside an endpoint.
+    """
+    scope = _ctx().scope
+    return scope is not None and bool(scope.cancel_called)
 
 
 def current_actor() -> Actor:

@@ -35,6 +35,9 @@ class Bootstrap(msgspec.Struct, frozen=True):
     pdeathsig: bool
     #: the job key (:mod:`amesh._transport._auth`), adopted before the worker listens
     key: bytes
+    #: how long its supervisor waits for a heartbeat: the worker stops sending them
+    #: once its main thread has been stuck in the kernel this long
+    heartbeat_timeout: float = 5.0
 
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self)

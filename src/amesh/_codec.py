@@ -8,10 +8,29 @@ parts of the frame, and the receiver's objects are views of the received frame
 
 With ``dumps(obj, shm=True)`` (one receiver, on this host) buffers of at least
 :func:`shm_threshold` bytes are written once into shared-memory segments, files in
-:func:`shm_dir` named ``amesh-<pid>-<n>-<random>``; the pickle holds their paths. The
-receiver maps each segment and unlinks it at once, so its objects are views of memory
-that the kernel frees when the last of them goes. Segments nobody loaded are unlinked
-by :func:`release_segments` (the runtime calls it at close; atexit does too).
+:func:`shm_dir` (``AMESH_SHM_DIR``, else ``/dev/shm``); the pickle holds their paths.
+The receiver maps each segment and unlinks it at once, so its objects are views of
+memory that the kernel frees when the last of them goes.
+
+A segment's name says whose it is: ``amesh-<job>-<pid>.<start>.<pidns>-<n>-<random>``.
+``<job>`` (:func:`job_id`) is derived from the job key, so the controller and all its
+workers share it (:func:`segment_prefix`); ``<pid>``, ``<start>`` (the process's start
+time, from /proc) and ``<pidns>`` (its pid namespace) tell whether the process that
+made it still runs, even once its pid is reused. A segment lives at most as long as
+the process that made it, and goes earlier when its message is abandoned:
+
+- loaded: the receiver unlinks it.
+- its message is dropped unread (a reply to a call that timed out or was cancelled):
+  the runtime that drops it calls :func:`discard_segments`, which unlinks only this
+  user's files named like a segment of this job, directly in :func:`shm_dir`.
+- its sender abandons the message (the call timed out, was cancelled or failed
+  before the receiver loaded it): :func:`release_payload`.
+- its maker exits: :func:`release_segments` (at runtime close and atexit).
+- its maker is killed: whoever saw it die calls :func:`remove_segments_of`; a killed
+  controller's workers die with it, so nobody is left for them: every ProcMesh start
+  (of any job) calls :func:`sweep_segments`, which removes the segments of every
+  process that has ended (the old ``amesh-<pid>-<n>-<random>`` ones too, where that
+  pid is free).
 
 How large ``bytes`` and shared-memory buffers get out of the stream: the pickler writes
 any buffer of 64 KiB or more (``bytes``, or a ``PickleBuffer`` that the buffer callback
@@ -25,10 +44,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import mmap
 import os
 import pickle
+import re
+import stat
 import struct
 import sys
 import threading
@@ -39,17 +61,23 @@ from typing import Any
 import cloudpickle
 
 from ._codec_tensor import reduce_tensor
+from ._transport._auth import job_key
 
 __all__ = [
     "OOB_THRESHOLD",
     "SHM_THRESHOLD",
     "Payload",
+    "discard_segments",
     "dumps",
+    "job_id",
     "loads",
+    "release_payload",
     "release_segments",
     "remove_segments_of",
+    "segment_prefix",
     "shm_dir",
     "shm_threshold",
+    "sweep_segments",
 ]
 
 log = logging.getLogger("amesh.codec")
@@ -69,13 +97,20 @@ _BYTES, _BYTEARRAY, _WRITABLE, _READONLY = 0, 1, 2, 3
 
 
 class Payload:
-    """A pickled object: the pickle bytes and its out-of-band buffers."""
+    """A pickled object: the pickle bytes and its out-of-band buffers.
 
-    __slots__ = ("buffers", "data")
+    ``segments`` lists the shared-memory segments that :func:`dumps` made for it (see
+    :func:`release_payload`); it stays with the sender and is never pickled.
+    """
 
-    def __init__(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
+    __slots__ = ("buffers", "data", "segments")
+
+    def __init__(
+        self, data: bytes, buffers: Sequence[Any] = (), segments: Sequence[str] = ()
+    ) -> None:
         self.data = data
         self.buffers: list[Any] = [memoryview(b) for b in buffers]
+        self.segments: tuple[str, ...] = tuple(segments)
 
     @property
     def nbytes(self) -> int:
@@ -218,6 +253,7 @@ class _Encoder:
             return Payload(b"".join(self.chunks), self.buffers)
         data: list[Any] = []
         buffers: list[memoryview] = []
+        made: list[str] = []
         done = 0
         for chunk in self.chunks:
             if type(chunk) is not _Segment:
@@ -231,8 +267,9 @@ class _Encoder:
                 buffers.append(chunk.view)
             else:
                 data.append(_segment_ref(path, chunk.kind))
+                made.append(path)
         buffers += self.buffers[done:]
-        return Payload(b"".join(data), buffers)
+        return Payload(b"".join(data), buffers, made)
 
 
 def _bytes_header(n: int) -> bytes:
@@ -335,10 +372,98 @@ _lock = threading.Lock()
 _made: set[str] = set()  # segments this process made, maybe consumed since
 _prune_at = 1024
 
+# A segment's name says whose it is: ``amesh-<job>-<pid>.<start>.<pidns>-<n>-<random>``.
+# <job> is :func:`job_id`; <pid>, <start> (in clock ticks since boot, field 22 of
+# /proc/<pid>/stat) and <pidns> (the inode of its pid namespace) name the process that
+# made it, for good: a pid reused by a later process has another start time.
+_NAME = re.compile(rb"amesh-(\d{10})-(\d{1,10})\.(\d{1,20})\.(\d{1,20})-\d{1,20}-[0-9a-f]{8}")
+# What amesh named its segments before: ``amesh-<pid>-<n>-<random>``.
+_OLD_NAME = re.compile(rb"amesh-(\d{1,10})-\d{1,20}-[0-9a-f]{8}")
+_JOB_TAG = b"amesh shm job v1\0"
+
+_job: tuple[bytes, str] | None = None  # (job key, its job id)
+_self: tuple[int, str] | None = None  # (pid, "<pid>.<start>.<pidns>") of this process
+
+
+def job_id() -> str:
+    """This job's id in segment names: 10 digits from a hash of the job key, the same in
+    the controller and every process it started (workers adopt its key)."""
+    global _job
+    key = job_key()
+    cached = _job
+    if cached is None or cached[0] is not key:
+        digest = hashlib.sha256(_JOB_TAG + key).digest()
+        cached = _job = (key, f"{int.from_bytes(digest[:4], 'big'):010d}")
+    return cached[1]
+
+
+def segment_prefix() -> str:
+    """The start of the name of every segment of this job: ``amesh-<job id>-``."""
+    return f"amesh-{job_id()}-"
+
+
+def _owner() -> str:
+    """``<pid>.<start>.<pidns>`` of this process (0 for what /proc does not tell)."""
+    global _self
+    pid = os.getpid()
+    cached = _self
+    if cached is None or cached[0] != pid:
+        ps = _stat_of(pid) if _have_proc() else None
+        cached = _self = (pid, f"{pid}.{ps[1] if ps else 0}.{_pid_namespace()}")
+    return cached[1]
+
+
+def _have_proc() -> bool:
+    return os.path.exists("/proc/self/stat")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _stat_of(pid: int) -> tuple[bytes, int] | None:
+    """(state, start time) of process ``pid``; None if there is no such process.
+
+    Raises:
+        OSError, ValueError, IndexError: /proc could not tell.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count after its end.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def _is_dead(pid: int, start: int, procfs: bool) -> bool:
+    """True if process ``pid`` that started at ``start`` (0: unknown) surely ended."""
+    if pid <= 0:
+        return False
+    if start and procfs:
+        try:
+            ps = _stat_of(pid)
+        except (OSError, ValueError, IndexError):
+            return False
+        # another start time: the pid was reused; Z/X: it exited, only not reaped yet
+        return ps is None or ps[1] != start or ps[0] in (b"Z", b"X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists
+        return False
+    return False
+
 
 def _create_segment(view: memoryview) -> str | None:
     """Copy ``view`` into a new segment; its path, or None where that fails."""
-    path = os.path.join(shm_dir(), f"amesh-{os.getpid()}-{next(_counter)}-{os.urandom(4).hex()}")
+    name = f"{segment_prefix()}{_owner()}-{next(_counter)}-{os.urandom(4).hex()}"
+    path = os.path.join(shm_dir(), name)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -377,6 +502,30 @@ def _forget(path: str) -> None:
         _made.discard(path)
 
 
+def _unlink(path: str) -> bool:
+    """Unlink segment ``path``; True if it was there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("cannot remove shared-memory segment %s: %s", path, exc)
+        return False
+    return True
+
+
+def _unlink_ours(where: str, name: str) -> bool:
+    """Unlink ``where/name`` if it is a plain file of this user; True if it was."""
+    path = os.path.join(where, name)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    return _unlink(path)
+
+
 def release_segments() -> int:
     """Unlink the segments this process made that no receiver has loaded.
 
@@ -388,40 +537,150 @@ def release_segments() -> int:
     with _lock:
         paths = list(_made)
         _made.clear()
+    return sum(_unlink(path) for path in paths)
+
+
+def release_payload(payload: Payload) -> int:
+    """Unlink the segments that :func:`dumps` made for ``payload`` and that no receiver
+    loaded: for a sender that abandons the message (its call timed out, was cancelled,
+    or failed), whose receiver will then never load it, or fail to with a clear error.
+
+    Returns:
+        How many segments were removed (0 when the receiver had loaded them all).
+    """
     removed = 0
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            log.warning("cannot remove shared-memory segment %s: %s", path, exc)
-            continue
-        removed += 1
+    for path in payload.segments:
+        _forget(path)
+        removed += _unlink(path)
     return removed
 
 
-def remove_segments_of(pid: int) -> int:
-    """Unlink the segments left by process ``pid``, which must be known to be dead.
+def _segment_refs(data: bytes | memoryview) -> list[str]:
+    """The segment paths that pickle ``data`` (from :func:`dumps`) loads."""
+    view = memoryview(data).cast("B")
+    refs: list[str] = []
+    for m in _REF.finditer(view):
+        at = m.end()
+        if view[at - 1] == pickle.SHORT_BINUNICODE[0]:
+            if at >= len(view):
+                continue
+            n, at = view[at], at + 1
+        else:
+            if at + 4 > len(view):
+                continue
+            (n,) = struct.unpack_from("<I", view, at)
+            at += 4
+        end = at + n
+        # what _segment_ref writes after the path: BININT1 <kind> TUPLE2 REDUCE
+        if (
+            n > 4096
+            or bytes(view[end : end + 1]) != pickle.BININT1
+            or bytes(view[end + 2 : end + 4]) != pickle.TUPLE2 + pickle.REDUCE
+            or view[end + 1] > _READONLY
+        ):
+            continue
+        try:
+            refs.append(bytes(view[at:end]).decode())
+        except UnicodeDecodeError:
+            continue
+    return refs
 
-    A killed process cannot run :func:`release_segments`; whoever saw it die can.
+
+def discard_segments(data: bytes | memoryview) -> int:
+    """Unlink the segments that pickle ``data`` refers to, which will never be loaded.
+
+    For a received payload that is dropped unread (a reply to a call that timed out or
+    was cancelled): its sender made the segments for this one receiver, so nobody else
+    would unlink them before the sender exits. Only files of this user named like a
+    segment of this job (:func:`segment_prefix`) directly in :func:`shm_dir` are
+    touched, whatever ``data`` says.
 
     Returns:
         How many segments were removed.
     """
-    prefix = f"amesh-{pid}-"
+    refs = _segment_refs(data)
+    if not refs:
+        return 0
     where = shm_dir()
+    job = job_id().encode()
     removed = 0
+    for path in refs:
+        name = os.path.basename(path)
+        m = _NAME.fullmatch(name.encode())
+        if m is None or m[1] != job or os.path.join(where, name) != path:
+            log.debug("not discarding %r: not a segment of this job in %s", path, where)
+            continue
+        _forget(path)
+        removed += _unlink_ours(where, name)
+    return removed
+
+
+def _owner_of(name: str, procfs: bool, namespace: int) -> tuple[int, int] | None:
+    """(pid, start time or 0) of the process that made segment ``name``; None when it
+    is not a segment, or its maker cannot be told (another pid namespace)."""
+    if not name.startswith("amesh-"):
+        return None
+    raw = name.encode()
+    m = _NAME.fullmatch(raw)
+    if m is not None:
+        if int(m[4]) != namespace:
+            return None
+        return int(m[2]), (int(m[3]) if procfs else 0)
+    m = _OLD_NAME.fullmatch(raw)
+    if m is not None:
+        return int(m[1]), 0
+    return None
+
+
+def _remove_dead(only_pid: int | None) -> int:
+    where = shm_dir()
     try:
         names = os.listdir(where)
     except OSError:
         return 0
+    procfs = _have_proc()
+    namespace = _pid_namespace()
+    dead: dict[tuple[int, int], bool] = {}
+    removed = 0
     for name in names:
-        if name.startswith(prefix):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(where, name))
-                removed += 1
+        owner = _owner_of(name, procfs, namespace)
+        if owner is None or (only_pid is not None and owner[0] != only_pid):
+            continue
+        verdict = dead.get(owner)
+        if verdict is None:
+            verdict = dead[owner] = _is_dead(*owner, procfs)
+        if verdict and _unlink_ours(where, name):
+            removed += 1
     return removed
+
+
+def remove_segments_of(pid: int) -> int:
+    """Unlink the segments left by process ``pid``, which must have ended.
+
+    A killed process cannot run :func:`release_segments`; whoever saw it die can. A
+    segment whose name says that a live process made it (the pid was reused since) is
+    kept.
+
+    Returns:
+        How many segments were removed.
+    """
+    return _remove_dead(pid)
+
+
+def sweep_segments() -> int:
+    """Unlink the segments in :func:`shm_dir` of every process that has ended.
+
+    For what killed jobs leave (a controller killed takes its workers along, and nobody
+    is left to clean up): each ProcMesh start calls it. One listing of the directory
+    and a look at /proc per owner. A segment is removed only when its maker surely
+    ended: its pid is gone, or belongs to a process started at another time. Segments
+    of another pid namespace (a container sharing /dev/shm) are left alone; so are
+    those of the old naming (``amesh-<pid>-<n>-<random>``) whose pid is in use.
+
+    Returns:
+        How many segments were removed.
+    """
+    return _remove_dead(None)
 
 
 def _after_fork_in_child() -> None:
@@ -481,3 +740,7 @@ def _read_all(fd: int, size: int, kind: int) -> bytes | bytearray:
 
 
 _LOAD_SEGMENT = _global_op(_load_segment.__module__, _load_segment.__name__)
+# A segment reference as _segment_ref writes it, up to the path's length.
+_REF = re.compile(
+    re.escape(_LOAD_SEGMENT) + b"[" + re.escape(pickle.SHORT_BINUNICODE + pickle.BINUNICODE) + b"]"
+)

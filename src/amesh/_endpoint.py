@@ -60,21 +60,29 @@ class MeshEndpoint(Generic[R]):
         shm = targets is not None and len(targets) == 1 and is_local(next(iter(targets.values())))
         return _codec.dumps((args, kwargs), shm=shm)
 
+    def _where(self, rank: int) -> tuple[int, str]:
+        """The mesh rank of called rank ``rank``, and how to name it in a message."""
+        whole = self._mesh._shape.slots[rank]
+        if whole == rank:
+            return whole, f"rank {rank}"
+        return whole, f"rank {whole} (rank {rank} of the called slice)"
+
     def _raise(self, shape: Shape, rank: int, value: Any) -> None:
         if isinstance(value, _wire.Error):
             point = {**shape.coords(rank), "rank": rank}
             if value.type_name == "amesh.SupervisionError":
                 # the actor failed, or an endpoint's own supervision scope did
-                failure = Failure(f"actor {self._mesh.name!r}", rank, None, value.message)
+                whole, where = self._where(rank)
+                failure = Failure(f"actor {self._mesh.name!r}", whole, None, value.message)
                 raise SupervisionError(
-                    f"{self._mesh.name}.{self._desc.name} at rank {rank}: {value.message}",
+                    f"{self._mesh.name}.{self._desc.name} at {where}: {value.message}",
                     [failure],
                 )
             cls = DeadlockError if value.type_name == "amesh.DeadlockError" else ActorError
             raise cls(value.type_name, value.message, value.traceback, self._mesh.name, point)
         if isinstance(value, SupervisionError):
             raise SupervisionError(
-                f"{self._mesh.name}.{self._desc.name} at rank {rank}: {value.message}",
+                f"{self._mesh.name}.{self._desc.name} at {self._where(rank)[1]}: {value.message}",
                 value.failures,
             )
         raise value
@@ -87,7 +95,7 @@ class MeshEndpoint(Generic[R]):
         payload: _codec.Payload,
         deadline: float,
     ) -> AsyncGenerator[tuple[int, Any], None]:
-        pending = rt.open_call(self._mesh.key, targets)
+        pending = rt.open_call(self._mesh.key, targets, self._mesh._shape.slots)
         done = False
         try:
             labels, sizes = self._mesh._wire_shape()
@@ -149,7 +157,7 @@ class MeshEndpoint(Generic[R]):
         deadline = _deadline(timeout)
         rt = current_runtime()
         labels, sizes = mesh._wire_shape()
-        pending = rt.open_call(mesh.key, targets)
+        pending = rt.open_call(mesh.key, targets, mesh._shape.slots)
         done = False
         try:
             await rt.send_requests(pending, self._desc.name, labels, sizes, payload, mesh._tree())

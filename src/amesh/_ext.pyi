@@ -11,7 +11,8 @@ NNG_EAGAIN: Final[int]
 NNG_ECLOSED: Final[int]
 
 def finalize() -> None:
-    """Stop every Receiver and make no more NNG calls; run before pynng's nng_fini()."""
+    """Stop every Receiver and NNG :class:`Beat` and make no more NNG calls; run
+    before pynng's nng_fini()."""
 
 class NngError(OSError):
     """An NNG error; ``errno`` is NNG's error number, ``strerror`` its text."""
@@ -76,3 +77,72 @@ class Receiver:
 
         Idempotent; leaves :meth:`fileno` readable so that a waiter wakes up.
         """
+
+@final
+class Beat:
+    """Heartbeats from a thread of the extension that never takes the GIL.
+
+    The thread writes ``frame`` (the bytes as they go on the wire) every ``period``
+    seconds, the first at once: to a connected stream socket ``fd`` (which the Beat
+    owns from the call on, and closes, even when the call fails), or to the NNG socket
+    ``socket`` (non-blocking, needs :func:`bind`). Part of a frame that a full socket
+    did not take is written before the next frame; a beat that finds the socket full
+    is dropped. A send that fails otherwise ends the thread: :attr:`broken`.
+
+    With ``watch_tid`` (a thread of this process, Linux) and ``hung_after`` > 0, each
+    beat first reads that thread's state from ``/proc``; once it was in uninterruptible
+    sleep (state D) in every look for more than ``hung_after`` seconds, beats are
+    withheld until it is not.
+
+    Raises:
+        ValueError: neither or both of ``fd`` and ``socket``, an empty frame, or a
+            period out of range.
+        RuntimeError: ``socket`` before :func:`bind` or after :func:`finalize`.
+        OSError: the thread cannot be started.
+    """
+
+    def __init__(
+        self,
+        frame: Buffer,
+        period: float,
+        *,
+        fd: int = -1,
+        socket: int = 0,
+        watch_tid: int = 0,
+        hung_after: float = 0.0,
+    ) -> None: ...
+    @property
+    def sent(self) -> int:
+        """Beats written (or begun: the rest goes before the next) so far."""
+
+    @property
+    def dropped(self) -> int:
+        """Beats dropped because the socket could not take them at once."""
+
+    @property
+    def withheld(self) -> int:
+        """Beats not sent because the watched thread was hung in the kernel."""
+
+    @property
+    def hung(self) -> bool:
+        """Whether the last beat was withheld (the watched thread is hung)."""
+
+    @property
+    def error(self) -> int:
+        """0, or the errno (the NNG error, for an NNG socket) of the send that broke."""
+
+    @property
+    def broken(self) -> bool:
+        """Whether a send failed for good: the thread has ended; connect again."""
+
+    @property
+    def watching(self) -> bool:
+        """Whether the state of ``watch_tid`` is looked at."""
+
+    def close(self) -> None:
+        """Stop the thread, wait until it has ended, close ``fd``; idempotent."""
+
+def _wait_uninterruptibly(seconds: float, /) -> None:
+    """For tests: the calling thread sleeps ``seconds`` in the kernel in state D (as
+    the parent of a vfork child that sleeps; the child dies with this process), with
+    the GIL released. Linux only."""

@@ -80,7 +80,10 @@ class ProcMesh(MeshView):
         heartbeat_period: seconds between a worker's heartbeats
             (``AMESH_HEARTBEAT_PERIOD``, default 0.5).
         heartbeat_timeout: a worker silent this long is declared failed and killed
-            (``AMESH_HEARTBEAT_TIMEOUT``, default 5).
+            (``AMESH_HEARTBEAT_TIMEOUT``, default 5). A heartbeat proves that the
+            process is scheduled (not stopped, not frozen) and that its main thread is
+            not stuck in the kernel, not that its event loop makes progress: a handler
+            busy in Python or in a long C call is alive (see :mod:`amesh._worker`).
         fanout: calls and broadcasts to a mesh of more than ``fanout`` processes go
             down a relay tree of the workers with this fan-out, and replies come back
             up it in batches (``AMESH_FANOUT``, default 16; 0 sends to every rank
@@ -109,7 +112,9 @@ class ProcMesh(MeshView):
         self._hb_timeout = heartbeat_timeout or env_float("AMESH_HEARTBEAT_TIMEOUT", 5.0)
         if self._hb_period <= 0 or self._hb_timeout <= self._hb_period:
             raise ValueError("need 0 < heartbeat_period < heartbeat_timeout")
-        self._life = Lifecycle(self._host, self._env, self._hb_period, f"ProcMesh {self.sizes}")
+        self._life = Lifecycle(
+            self._host, self._env, self._hb_period, f"ProcMesh {self.sizes}", self._hb_timeout
+        )
         self._sup: MeshSupervisor | None = None
         self._state: MeshState | None = None
         self._stack: AsyncExitStack | None = None
@@ -306,8 +311,10 @@ class ProcMesh(MeshView):
         policy = restart_policy(restart)
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn needs a subclass of amesh.Actor, got {actor_class!r}")
-        if not isinstance(name, str) or not name:
-            raise ValueError("an actor mesh needs a non-empty name")
+        if not isinstance(name, str) or not name or len(name) > 1000:
+            raise ValueError(
+                f"an actor mesh needs a name of 1 to 1000 characters, not {name!r:.60}"
+            )
         if any(s.mesh.name == name for s in st.spawned.values()):
             raise ValueError(f"this ProcMesh already has an actor mesh named {name!r}")
         try:

@@ -12,20 +12,33 @@ frame of an unknown version with a clear error.
 
 Casts and calls to many ranks may travel down a relay tree (:class:`Relay`), and the
 replies come back up it in batches (:class:`Gathered`): see ``_runtime._tree``.
+
+:func:`decode` checks every field of every envelope (addresses have the form of one,
+ranks, ids and sizes are in range, strings and lists are bounded, the buffers of a
+:class:`Gathered` add up): a frame that fails is :class:`BadFrame`, which the runtime
+drops and counts, so nothing behind decode meets such a value. The checks do not
+change the encoding.
 """
 
 from __future__ import annotations
 
+import operator
+import re
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from ._transport._frame import Frame, frame_size, join
 
 __all__ = [
+    "ADDRESS_PATTERN",
     "MAGIC",
+    "MAX_NAME",
+    "MAX_TEXT",
     "VERSION",
+    "Address",
     "Call",
     "Cancel",
     "Cast",
@@ -42,9 +55,11 @@ __all__ = [
     "Reply",
     "Frame",
     "addressed",
+    "clip",
     "decode",
     "encode",
     "frame_size",
+    "is_address",
     "join",
     "pack",
     "payload_size",
@@ -61,6 +76,93 @@ _LEN = struct.Struct("<I")
 _HEADER = MAGIC + bytes([VERSION]) + bytes(4)
 _HEADER_LEN = len(_HEADER)
 
+# -- what every field may hold --------------------------------------------------------
+#
+# Each field is checked where the frame is decoded: a value out of its range is a
+# malformed frame (BadFrame, a counted drop), so nothing behind decode meets it. The
+# bounds are generous for what amesh sends, and none changes the encoding.
+
+#: A port, 0..65535.
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+#: The addresses transports listen on: the stream transport's (``stream+abstract://NAME``,
+#: ``stream+ipc://PATH``, ``stream+tcp://HOST:PORT``), NNG's (the same without
+#: ``stream+``), and the in-memory test transport's (``memory://HEX``). A unix name or
+#: path has no control character and at most 240 characters, a tcp host is a name or
+#: a (bracketed) IPv6 literal: so an address is at most 978 bytes of UTF-8, within
+#: what a handshake can carry (``_transport._auth.MAX_ADDRESS``).
+_ADDRESS = (
+    r"(?:(?:stream\+)?(?:abstract|ipc)://[^\x00-\x1f\x7f]{1,240}"
+    rf"|(?:stream\+)?tcp://(?:[A-Za-z0-9._-]{{1,253}}|\[[0-9A-Za-z:.%_-]{{1,64}}\]):{_PORT}"
+    r"|memory://[0-9a-f]{1,64})"
+)
+ADDRESS_PATTERN = rf"^{_ADDRESS}\Z"
+_ADDRESS_RE = re.compile(ADDRESS_PATTERN)
+#: Limits of the lists and strings of an envelope.
+MAX_ADDRESS_CHARS = 300
+MAX_NAME = 4096
+MAX_TEXT = 1 << 20
+MAX_DIMS = 256
+MAX_CHAIN = 4096
+MAX_RANKS = 1 << 20
+#: (a Gathered lists the buffers of a whole subtree's replies)
+MAX_BUFFERS = MAX_RANKS
+#: The largest buffer a frame can hold (a stream frame's length is a u32).
+MAX_BUFFER = 2**32 - 1
+
+#: A peer's listening address (or "" where a field says so). Its form is checked after
+#: decoding (see :func:`is_address`): a regex in msgspec's ``Meta`` costs ~0.4 µs per
+#: field, a look-up among the addresses seen before ~0.05 µs.
+Address = Annotated[str, Meta(max_length=MAX_ADDRESS_CHARS)]
+#: A call id (ids count up from 1; 0 is "none").
+_Id = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: A rank in a mesh; ``_NodeRank`` may be -1 (a node that only relays, a death with
+#: no known place).
+_Rank = Annotated[int, Meta(ge=0, lt=2**31)]
+_NodeRank = Annotated[int, Meta(ge=-1, lt=2**31)]
+_Pid = Annotated[int, Meta(ge=0, lt=2**31)]
+#: The size of one dimension of a mesh.
+_Size = Annotated[int, Meta(ge=0, lt=2**31)]
+#: The length of an out-of-band buffer.
+_Length = Annotated[int, Meta(ge=0, le=MAX_BUFFER)]
+#: A running total of messages or bytes; -1 in a credit probe.
+_Total = Annotated[int, Meta(ge=-1, le=2**63 - 1)]
+_Name = Annotated[str, Meta(max_length=MAX_NAME)]
+_Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+_ChainEntry = Annotated[str, Meta(max_length=MAX_ADDRESS_CHARS + 2 * MAX_NAME + 2)]
+_Labels = Annotated[list[_Name], Meta(max_length=MAX_DIMS)]
+_Sizes = Annotated[list[_Size], Meta(max_length=MAX_DIMS)]
+_Chain = Annotated[list[_ChainEntry], Meta(max_length=MAX_CHAIN)]
+_Buffers = Annotated[list[_Length], Meta(max_length=MAX_BUFFERS)]
+#: A pickle inside an envelope is shorter than INLINE_LIMIT (see pack).
+_Payload = Annotated[bytes, Meta(max_length=INLINE_LIMIT)]
+#: ``(address, rank or -1, number of nodes below)`` (see :class:`Relay`)
+_Node = tuple[Address, _NodeRank, Annotated[int, Meta(ge=0, lt=MAX_RANKS)]]
+
+
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    """``text``, cut to at most ``limit`` characters (what a text field may carry)."""
+    if len(text) <= limit:
+        return text
+    note = f"... [cut: {len(text)} characters in all]"
+    return text[: max(limit - len(note), 0)] + note
+
+
+#: Addresses that passed :func:`is_address` lately (peers are few: most frames hit).
+_good: set[str] = set()
+_GOOD_KEPT = 4096
+
+
+def is_address(addr: str) -> bool:
+    """Whether ``addr`` has the form of an address some amesh transport listens on."""
+    if addr in _good:
+        return True
+    if len(addr) > MAX_ADDRESS_CHARS or _ADDRESS_RE.match(addr) is None:
+        return False
+    if len(_good) >= _GOOD_KEPT:
+        _good.clear()
+    _good.add(addr)
+    return True
+
 
 class Call(msgspec.Struct, tag="call", array_like=True):
     """Run ``method`` on ``actor`` and reply to ``sender`` with ``call_id``.
@@ -70,43 +172,43 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     itself.
     """
 
-    sender: str
-    call_id: int
-    rank: int
-    actor: str
-    method: str
-    labels: list[str]
-    sizes: list[int]
-    payload: bytes
-    chain: list[str] = []
-    buffers: list[int] = []
+    sender: Address
+    call_id: _Id
+    rank: _Rank
+    actor: _Name
+    method: _Name
+    labels: _Labels
+    sizes: _Sizes
+    payload: _Payload
+    chain: _Chain = []
+    buffers: _Buffers = []
     #: where the reply goes, when not to ``sender`` (a relay gathering replies)
-    reply_to: str = ""
+    reply_to: Address = ""
     #: the call id the reply carries there
-    reply_id: int = 0
+    reply_id: _Id = 0
 
 
 class Cast(msgspec.Struct, tag="cast", array_like=True):
     """Like :class:`Call`, with no reply; a failure is reported to the owner."""
 
-    sender: str
-    call_id: int
-    rank: int
-    actor: str
-    method: str
-    labels: list[str]
-    sizes: list[int]
-    payload: bytes
-    buffers: list[int] = []
+    sender: Address
+    call_id: _Id
+    rank: _Rank
+    actor: _Name
+    method: _Name
+    labels: _Labels
+    sizes: _Sizes
+    payload: _Payload
+    buffers: _Buffers = []
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True):
     """A result for ``call_id`` from ``rank``."""
 
-    call_id: int
-    rank: int
-    payload: bytes
-    buffers: list[int] = []
+    call_id: _Id
+    rank: _Rank
+    payload: _Payload
+    buffers: _Buffers = []
 
 
 class Relay(msgspec.Struct, tag="relay", array_like=True):
@@ -119,19 +221,19 @@ class Relay(msgspec.Struct, tag="relay", array_like=True):
     them to ``reply_to`` as :class:`Gathered` with ``reply_id``.
     """
 
-    sender: str
-    call_id: int
-    rank: int
-    actor: str
-    method: str
-    labels: list[str]
-    sizes: list[int]
-    payload: bytes
-    chain: list[str]
-    buffers: list[int]
-    reply_to: str
-    reply_id: int
-    nodes: list[tuple[str, int, int]]
+    sender: Address
+    call_id: _Id
+    rank: _NodeRank
+    actor: _Name
+    method: _Name
+    labels: _Labels
+    sizes: _Sizes
+    payload: _Payload
+    chain: _Chain
+    buffers: _Buffers
+    reply_to: Address
+    reply_id: _Id
+    nodes: Annotated[list[_Node], Meta(max_length=MAX_RANKS)]
 
 
 def addressed(req: Relay, rank: int, nodes: list[tuple[str, int, int]]) -> Call | Cast | Relay:
@@ -159,11 +261,11 @@ def payload_size(env: Call | Cast) -> int:
 class Error(msgspec.Struct, tag="error", array_like=True):
     """An exception for ``call_id`` from ``rank``, as data."""
 
-    call_id: int
-    rank: int
-    type_name: str
-    message: str
-    traceback: str
+    call_id: _Id
+    rank: _Rank
+    type_name: _Name
+    message: _Text
+    traceback: _Text
 
 
 class Gathered(msgspec.Struct, tag="gathered", array_like=True):
@@ -172,17 +274,17 @@ class Gathered(msgspec.Struct, tag="gathered", array_like=True):
     ``buffers`` is the concatenation of the replies' buffers, in order.
     """
 
-    call_id: int
-    replies: list[Reply | Error]
-    buffers: list[int] = []
+    call_id: _Id
+    replies: Annotated[list[Reply | Error], Meta(max_length=MAX_RANKS)]
+    buffers: _Buffers = []
 
 
 class Prune(msgspec.Struct, tag="prune", array_like=True):
     """``sender``'s call ``call_id``: stop waiting for ``ranks`` (their relay died)."""
 
-    sender: str
-    call_id: int
-    ranks: list[int]
+    sender: Address
+    call_id: _Id
+    ranks: Annotated[list[_Rank], Meta(max_length=MAX_RANKS)]
 
 
 class Credit(msgspec.Struct, tag="credit", array_like=True):
@@ -192,41 +294,41 @@ class Credit(msgspec.Struct, tag="credit", array_like=True):
     A sender held back for a while sends a probe (``count`` -1, ``addr`` its own) to
     ask for the totals again."""
 
-    addr: str
-    actor: str
-    count: int
-    nbytes: int
+    addr: Address
+    actor: _Name
+    count: _Total
+    nbytes: _Total
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
     """Cancel ``sender``'s call ``call_id`` if it is queued or running."""
 
-    sender: str
-    call_id: int
+    sender: Address
+    call_id: _Id
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     """A worker process is listening at ``addr``."""
 
-    token: str
-    addr: str
-    pid: int
+    token: _Name
+    addr: Address
+    pid: _Pid
 
 
 class FailureReport(msgspec.Struct, tag="failure", array_like=True):
     """A supervision event reported to the owner of actor mesh ``actor``."""
 
-    actor: str
-    rank: int
-    pid: int
-    cause: str
+    actor: _Name
+    rank: _Rank
+    pid: _Pid
+    cause: _Text
 
 
 class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
     """A worker at ``addr`` is alive (sent from a thread, whatever its loop does)."""
 
-    addr: str
-    pid: int
+    addr: Address
+    pid: _Pid
 
 
 class Died(msgspec.Struct, tag="died", array_like=True):
@@ -234,14 +336,14 @@ class Died(msgspec.Struct, tag="died", array_like=True):
     may be calling it, so that their calls fail at once (see :class:`~amesh.Failure`
     for the fields)."""
 
-    addr: str
-    mesh: str
-    rank: int
-    pid: int | None
-    host: str
-    cause: str
-    exit_code: int | None = None
-    signal: int | None = None
+    addr: Address
+    mesh: _Name
+    rank: _NodeRank
+    pid: _Pid | None
+    host: _Name
+    cause: _Text
+    exit_code: Annotated[int, Meta(ge=0, lt=2**31)] | None = None
+    signal: Annotated[int, Meta(ge=1, lt=256)] | None = None
 
 
 Envelope = (
@@ -319,6 +421,73 @@ def unpack(payload: bytes, buffers: list[Any]) -> tuple[Any, list[Any]]:
     return buffers[0], buffers[1:]
 
 
+_first = operator.itemgetter(0)
+
+
+def _bad_address(addr: str) -> str:
+    return f"not an address: {addr[:80]!r}"
+
+
+def _check_call(env: Call | Relay) -> str:
+    if env.sender not in _good and not is_address(env.sender):
+        return _bad_address(env.sender)
+    if env.reply_to and env.reply_to not in _good and not is_address(env.reply_to):
+        return _bad_address(env.reply_to)
+    if len(env.labels) != len(env.sizes):
+        return f"{len(env.labels)} labels for {len(env.sizes)} sizes"
+    return ""
+
+
+def _check_cast(env: Cast) -> str:
+    if env.sender not in _good and not is_address(env.sender):
+        return _bad_address(env.sender)
+    if len(env.labels) != len(env.sizes):
+        return f"{len(env.labels)} labels for {len(env.sizes)} sizes"
+    return ""
+
+
+def _check_relay(env: Relay) -> str:
+    # (a node's count of nodes below it may run past the end: see _tree.split)
+    if not _good.issuperset(map(_first, env.nodes)):
+        for addr, _, _ in env.nodes:
+            if not is_address(addr):
+                return _bad_address(addr)
+    return _check_call(env)
+
+
+def _check_sender(env: Prune | Cancel) -> str:
+    return "" if env.sender in _good or is_address(env.sender) else _bad_address(env.sender)
+
+
+def _check_addr(env: Credit | Ready | Heartbeat | Died) -> str:
+    return "" if env.addr in _good or is_address(env.addr) else _bad_address(env.addr)
+
+
+def _check_gathered(env: Gathered) -> str:
+    lengths: list[int] = []
+    for item in env.replies:
+        if type(item) is Reply and item.buffers:
+            lengths += item.buffers
+    if lengths != env.buffers:
+        return "the buffers of the gathered replies do not add up to the frame's"
+    return ""
+
+
+#: Checks across fields, where a field's own type cannot say it: "" or what is wrong.
+_CHECKS: dict[type, Any] = {
+    Call: _check_call,
+    Cast: _check_cast,
+    Relay: _check_relay,
+    Gathered: _check_gathered,
+    Prune: _check_sender,
+    Cancel: _check_sender,
+    Credit: _check_addr,
+    Ready: _check_addr,
+    Heartbeat: _check_addr,
+    Died: _check_addr,
+}
+
+
 def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
     """Decode one frame into its envelope and views of its out-of-band buffers.
 
@@ -337,19 +506,32 @@ def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
         call_id = rank = 0
         try:
             head = _loose.decode(view[_HEADER_LEN:end])
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
             head = None
         if isinstance(head, list) and len(head) >= 4:
             s, c, r = head[1], head[2], head[3]
-            if isinstance(s, str) and isinstance(c, int) and isinstance(r, int):
+            # answered only where that is an address and the numbers fit (see Error)
+            if (
+                isinstance(s, str)
+                and is_address(s)
+                and isinstance(c, int)
+                and 0 <= c < 2**63
+                and isinstance(r, int)
+                and 0 <= r < 2**31
+            ):
                 sender, call_id, rank = s, c, r
         raise BadVersion(version, sender, call_id, rank)
     if end > len(view):
         raise BadFrame("truncated envelope")
     try:
         env = _decoder.decode(view[_HEADER_LEN:end])
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise BadFrame(str(exc)) from None
+    check = _CHECKS.get(type(env))
+    if check is not None:
+        why = check(env)
+        if why:
+            raise BadFrame(why)
     lengths: list[int] = getattr(env, "buffers", None) or []
     if not lengths:
         if end != len(view):

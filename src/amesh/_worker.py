@@ -13,6 +13,23 @@ key) over a private channel: an exec'd worker reads it from the start of its std
 pipe, before it watches that pipe; a forked one gets it from the zygote's request. It
 adopts the key before it opens its transport, and proves itself with it to every peer
 it connects to (see :mod:`amesh._transport._auth`).
+
+The worker sends its parent a heartbeat every ``heartbeat_period``; the parent's
+supervisor kills a worker that was silent for ``heartbeat_timeout``. A thread of the C
+extension writes them (:class:`amesh._ext.Beat`), which never takes the GIL: Python
+only connects (and proves itself on) the heartbeat connection and hands the socket
+over, and a watchdog thread connects again when the C thread finds it broken (rare, so
+that the watchdog may be starved of the GIL does not matter). What a heartbeat proves:
+
+- the process is scheduled: not stopped (SIGSTOP, a debugger), not frozen, not gone;
+- its main thread is not stuck in uninterruptible sleep in the kernel (state D, a hung
+  filesystem or driver): the C thread reads the main thread's state from ``/proc`` and
+  withholds the beats once it was D in every look for ``heartbeat_timeout``.
+
+It does not prove that the event loop makes progress: a handler busy in Python, or in
+one long C call that holds the GIL (``sum(range(10**9))``, a large allocation), is
+alive. Without the extension a Python thread sends the heartbeats, and a main thread
+that holds the GIL for ``heartbeat_timeout`` silences it.
 """
 
 from __future__ import annotations
@@ -25,7 +42,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -38,8 +55,15 @@ from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
 from ._transport import Transport, heartbeat_sender, open_transport
 from ._transport._auth import adopt_key
+from ._transport._stream_wire import HEADER, StreamBeat, is_stream_address
+
+if TYPE_CHECKING:
+    from ._ext import Beat
+    from ._transport._nng import NngBeat
 
 _PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger("amesh.worker")
 
 
 def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
@@ -64,9 +88,109 @@ def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     threading.Thread(target=watch_stdin, name="amesh-parent-watch", daemon=True).start()
 
 
+def _heartbeat_frame(addr: str) -> bytes:
+    return _wire.join(_wire.encode(_wire.Heartbeat(addr, os.getpid())))
+
+
+class NativeBeats:
+    """Heartbeats written by :class:`amesh._ext.Beat`, a thread that never takes the
+    GIL; this object only makes the connection it writes to, and makes it again when
+    the thread finds it broken (:meth:`renew`, from :meth:`watch`).
+
+    Args:
+        parent: where the heartbeats go (a stream or an NNG address).
+        own: this worker's address, which the connection proves it speaks for.
+        period: seconds between heartbeats.
+        watch_tid: the native id of the thread whose hang in the kernel silences them.
+
+    Raises:
+        ImportError: no extension, or (for an NNG ``parent``) no pynng.
+    """
+
+    def __init__(
+        self, parent: str, own: str, period: float, watch_tid: int, hung_after: float
+    ) -> None:
+        from . import _ext
+
+        frame = _heartbeat_frame(own)
+        stream = is_stream_address(parent)
+        self._nng: NngBeat | None = None
+        if not stream:
+            from ._transport import _ext as _binds_nng  # noqa: F401  (the NNG functions)
+            from ._transport._nng import NngBeat
+
+            self._nng = NngBeat(parent, own)
+        self._make = _ext.Beat
+        self._parent, self._own, self._period, self._tid = parent, own, period, watch_tid
+        self._hung_after = hung_after
+        self._frame = HEADER.pack(len(frame)) + frame if stream else frame
+        self._lock = threading.Lock()
+        self._beat: Beat | None = None
+        self._closed = False
+
+    @property
+    def beat(self) -> Beat | None:
+        """The thread that writes the heartbeats now (None while not connected)."""
+        return self._beat
+
+    def renew(self) -> None:
+        """Connect if there is no connection, or again if the last one broke."""
+        old = self._beat
+        if old is not None and not old.broken and not (self._nng and self._nng.stale):
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._beat = None
+        if old is not None:
+            old.close()  # first: an NNG socket is replaced below
+        try:
+            new: Beat | None = self._connect()
+        except Exception as exc:  # OSError, Refused, pynng's: try again next period
+            log.debug("cannot connect the heartbeats to %s: %s", self._parent, exc)
+            return
+        with self._lock:
+            if not self._closed:
+                self._beat, new = new, None
+        if new is not None:
+            new.close()
+
+    def _connect(self) -> Beat:
+        fd = sock = -1
+        if self._nng is None:
+            fd = StreamBeat(self._parent, self._own).connect_fd()
+        else:
+            sock = self._nng.socket_id()
+        return self._make(
+            self._frame,
+            self._period,
+            fd=fd,
+            socket=max(sock, 0),
+            watch_tid=self._tid,
+            hung_after=self._hung_after,
+        )
+
+    def watch(self, stop: threading.Event) -> None:
+        """Keep the heartbeats connected until ``stop`` (a plain thread's loop)."""
+        try:
+            while not stop.wait(self._period):
+                self.renew()
+        finally:
+            if self._nng is not None:
+                self._nng.close()
+
+    def close(self) -> None:
+        """Stop the heartbeats now; idempotent."""
+        with self._lock:
+            self._closed = True
+            beat, self._beat = self._beat, None
+        if beat is not None:
+            beat.close()
+
+
 def _send_heartbeats(boot: Bootstrap, addr: str, stop: threading.Event) -> None:
-    """Tell the parent we are alive, from a thread: a busy event loop is not dead."""
-    frame = _wire.join(_wire.encode(_wire.Heartbeat(addr, os.getpid())))
+    """Tell the parent we are alive, from a Python thread (without the extension)."""
+    frame = _heartbeat_frame(addr)
     sender = heartbeat_sender(boot.parent, own=addr)
     try:
         while not stop.wait(boot.heartbeat_period):
@@ -105,17 +229,36 @@ async def serve(
 @contextmanager
 def _thread_heartbeats(boot: Bootstrap, rt: Runtime) -> Iterator[None]:
     stop = threading.Event()
-    beats = threading.Thread(
-        target=_send_heartbeats,
-        args=(boot, rt.address, stop),
-        name="amesh-heartbeat",
-        daemon=True,
-    )
-    beats.start()
+    target: Callable[..., None]
+    args: tuple[Any, ...]
+    native: NativeBeats | None = None
+    try:
+        # this thread runs the event loop: its hang in the kernel silences the beats
+        native = NativeBeats(
+            boot.parent,
+            rt.address,
+            boot.heartbeat_period,
+            threading.get_native_id(),
+            boot.heartbeat_timeout,
+        )
+    except ImportError:
+        pass
+    except Exception as exc:  # pynng's, for an NNG parent
+        log.warning("heartbeats from a Python thread: %s", exc)
+    if native is None:
+        target, args = _send_heartbeats, (boot, rt.address, stop)
+    else:
+        # Connected before any handler runs (blocking for the handshake, one round
+        # trip), so that one that holds the GIL from its start is heard all along.
+        native.renew()
+        target, args = native.watch, (stop,)
+    threading.Thread(target=target, args=args, name="amesh-heartbeat", daemon=True).start()
     try:
         yield
     finally:
         stop.set()
+        if native is not None:
+            native.close()
 
 
 async def _serve(boot: Bootstrap) -> None:

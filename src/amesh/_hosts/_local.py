@@ -83,6 +83,7 @@ class LocalHost:
         env: Mapping[str, str] | None = None,
         *,
         heartbeat_period: float = 0.5,
+        heartbeat_timeout: float = 5.0,
     ) -> ProcHandle:
         """Start one worker and wait until it listens.
 
@@ -93,17 +94,16 @@ class LocalHost:
         child_env = dict(os.environ)
         child_env.update(env or {})
         child_env.setdefault("PYTHONUNBUFFERED", "1")
+        beats = (heartbeat_period, heartbeat_timeout)
         try:
             process: ProcessLike | None = None
             zygote = await _zygote_for(rt, child_env)
             if zygote is not None:
                 process, pid = await _fork_worker(
-                    zygote, rt, ready.token, scheme, host, child_env, heartbeat_period
+                    zygote, rt, ready.token, scheme, host, child_env, beats
                 )
             if process is None:
-                process, pid = await _exec_worker(
-                    rt, ready.token, scheme, host, child_env, heartbeat_period
-                )
+                process, pid = await _exec_worker(rt, ready.token, scheme, host, child_env, beats)
         except BaseException:
             ready.cancel()
             raise
@@ -143,7 +143,7 @@ async def _exec_worker(
     scheme: str,
     host: str,
     child_env: dict[str, str],
-    heartbeat_period: float,
+    beats: tuple[float, float],
 ) -> tuple[ProcessLike, int]:
     """``python -m amesh._worker``, a child of this process."""
     # asyncio (and uvloop) fork from the event loop's own thread; trio forks from a
@@ -159,9 +159,10 @@ async def _exec_worker(
         scheme,
         host,
         list(sys.path),
-        heartbeat_period,
+        beats[0],
         pdeathsig,
         key=job_key(),
+        heartbeat_timeout=beats[1],
     )
     process = await anyio.open_process(
         [sys.executable, "-m", "amesh._worker"],
@@ -187,7 +188,7 @@ async def _fork_worker(
     scheme: str,
     host: str,
     child_env: dict[str, str],
-    heartbeat_period: float,
+    beats: tuple[float, float],
 ) -> tuple[ProcessLike | None, int]:
     """A worker forked by ``zygote``; ``(None, 0)`` when it cannot (exec one instead)."""
     from ._zygote import ZygoteError
@@ -200,9 +201,10 @@ async def _fork_worker(
         scheme,
         host,
         list(sys.path),
-        heartbeat_period,
+        beats[0],
         True,
         key=job_key(),
+        heartbeat_timeout=beats[1],
     )
     try:
         cwd = os.getcwd()

@@ -97,8 +97,11 @@ class Host(Protocol):
         env: Mapping[str, str] | None = None,
         *,
         heartbeat_period: float = 0.5,
+        heartbeat_timeout: float = 5.0,
     ) -> ProcHandle:
-        """Start one worker that reports Ready to ``rt`` and heartbeats to it."""
+        """Start one worker that reports Ready to ``rt`` and heartbeats to it every
+        ``heartbeat_period`` seconds (``rt`` declares it dead after
+        ``heartbeat_timeout`` seconds of silence)."""
         ...
 
 

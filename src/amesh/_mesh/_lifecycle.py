@@ -104,15 +104,22 @@ class Lifecycle:
         host: where the processes run.
         env: extra environment variables for them.
         heartbeat_period: seconds between their heartbeats.
+        heartbeat_timeout: how long a silent one lives on.
         label: the mesh, as failures name it (``"ProcMesh {'gpus': 4}"``).
     """
 
     def __init__(
-        self, host: Host, env: dict[str, str], heartbeat_period: float, label: str
+        self,
+        host: Host,
+        env: dict[str, str],
+        heartbeat_period: float,
+        label: str,
+        heartbeat_timeout: float = 5.0,
     ) -> None:
         self.host = host
         self.env = env
         self.heartbeat_period = heartbeat_period
+        self.heartbeat_timeout = heartbeat_timeout
         self.label = label
 
     def scheme(self, rt: Runtime) -> tuple[str, str]:
@@ -124,12 +131,20 @@ class Lifecycle:
         return scheme, host
 
     async def start_procs(self, rt: Runtime, n: int) -> list[ProcHandle]:
+        # Shared-memory segments of processes that ended without cleaning up: a killed
+        # controller's workers die with it, so nobody else ever removes them.
+        _codec.sweep_segments()
         scheme, host = self.scheme(rt)
         procs: list[ProcHandle | None] = [None] * n
 
         async def start(i: int) -> None:
             procs[i] = await self.host.start_proc(
-                rt, scheme, host, self.env, heartbeat_period=self.heartbeat_period
+                rt,
+                scheme,
+                host,
+                self.env,
+                heartbeat_period=self.heartbeat_period,
+                heartbeat_timeout=self.heartbeat_timeout,
             )
 
         try:
@@ -142,6 +157,7 @@ class Lifecycle:
                     if p is not None:
                         p.process.kill()
                         await p.stop(0)
+                        _codec.remove_segments_of(p.pid)
             raise
         return [p for p in procs if p is not None]
 

@@ -177,9 +177,14 @@ class MeshSupervisor:
         else:
             st.tg.start_soon(self.escalate, st, failure)
 
-    def on_actor_failure(self, report: FailureReport) -> None:
+    def on_actor_failure(self, report: FailureReport, peer: str) -> None:
+        """An actor of this mesh failed, says the process at ``peer``: one of this
+        mesh's own (or this one); a report from anywhere else is dropped."""
         st = self._state
         if st is None or st.closing:
+            return
+        if peer != st.runtime.address and peer not in st.addrs:
+            log.warning("dropped a failure report for %s from %s", report.actor, peer)
             return
         spawned = st.spawned.get(report.actor)
         name = spawned.mesh.name if spawned is not None else report.actor

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
-from .. import _wire
+from .. import _codec, _wire
 from .._errors import Failure, SupervisionError
+from .._ratelog import RateLimitedLog
 from ._context import native_event_class
 
 __all__ = ["Calls", "Pending"]
+
+_refusals = RateLimitedLog(logging.getLogger("amesh.runtime"))
 
 
 class Pending:
@@ -20,13 +25,23 @@ class Pending:
     ``ok``, else the exception to raise.
     """
 
-    __slots__ = ("_event", "_new_event", "actor", "call_id", "items", "relays", "targets", "via")
+    __slots__ = (
+        "_event", "_new_event", "actor", "call_id", "items", "payload", "relays", "slots",
+        "targets", "via",
+    )  # fmt: skip
 
     def __init__(
-        self, call_id: int, actor: str, targets: dict[int, str], new_event: Any = None
+        self,
+        call_id: int,
+        actor: str,
+        targets: dict[int, str],
+        new_event: Any = None,
+        slots: Sequence[int] = (),
     ) -> None:
         self.call_id = call_id
         self.actor = actor
+        #: the rank in the whole actor mesh of each called rank (empty: the same)
+        self.slots = slots
         #: rank -> address for every rank that has not answered yet
         self.targets = targets
         self.items: deque[tuple[int, bool, Any]] = deque()
@@ -35,6 +50,8 @@ class Pending:
         #: the relays the call went through, and the relays on each rank's path
         self.relays: set[str] = set()
         self.via: dict[int, tuple[str, ...]] = {}
+        #: the call's arguments, while they have shared-memory segments
+        self.payload: _codec.Payload | None = None
 
     def push(self, rank: int, ok: bool, value: Any) -> None:
         if self.targets.pop(rank, None) is None:
@@ -42,6 +59,15 @@ class Pending:
         self.items.append((rank, ok, value))
         if self._event is not None:
             self._event.set()
+
+    def mesh_rank(self, rank: int) -> int:
+        """The rank in the whole actor mesh of called rank ``rank``."""
+        return self.slots[rank] if self.slots else rank
+
+    def where(self, rank: int) -> str:
+        """``"rank 5"``, or ``"rank 5 (rank 1 of the called slice)"``."""
+        whole = self.mesh_rank(rank)
+        return f"rank {whole}" + (f" (rank {rank} of the called slice)" if whole != rank else "")
 
     async def next(self) -> tuple[int, bool, Any]:
         while not self.items:
@@ -67,13 +93,18 @@ class Calls:
         #: (address, actor key) -> calls this runtime has in flight there
         self.inflight: dict[tuple[str, str], int] = {}
         self.sent = 0
+        #: replies dropped because they came from a peer the call did not go to
+        self.refused = 0
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def open(self, actor: str, targets: dict[int, str]) -> Pending:
-        """Register a call before its requests go out, so no reply can be missed."""
-        pending = Pending(self.next_id(), actor, dict(targets), self._new_event)
+    def open(self, actor: str, targets: dict[int, str], slots: Sequence[int] = ()) -> Pending:
+        """Register a call before its requests go out, so no reply can be missed.
+
+        ``slots`` gives the rank in the whole actor mesh of each called rank, for
+        messages (empty when the call is to the whole mesh)."""
+        pending = Pending(self.next_id(), actor, dict(targets), self._new_event, slots)
         self.pending[pending.call_id] = pending
         for addr in targets.values():
             k = (addr, actor)
@@ -87,6 +118,15 @@ class Calls:
             self.dec_inflight(addr, pending.actor)
         waiting = set(pending.targets.values()) | pending.relays
         pending.targets.clear()
+        # Replies nobody will read (the call ended early), and the arguments' segments
+        # (a receiver that has not loaded them by now never will).
+        for _, ok, value in pending.items:
+            if ok:
+                _codec.discard_segments(value[0])
+        pending.items.clear()
+        if pending.payload is not None:
+            _codec.release_payload(pending.payload)
+            pending.payload = None
         return waiting
 
     def dec_inflight(self, addr: str, actor: str) -> None:
@@ -107,7 +147,11 @@ class Calls:
             # A death learnt without its place in a mesh (a lost connection): name
             # it by the called mesh and rank, which the caller knows.
             why = Failure(
-                f"actor {mesh_name(pending.actor)!r}", rank, why.pid, why.cause, host=why.host
+                f"actor {mesh_name(pending.actor)!r}",
+                pending.mesh_rank(rank),
+                why.pid,
+                why.cause,
+                host=why.host,
             )
         pending.push(rank, False, SupervisionError(msg or str(why), [why]))
 
@@ -118,13 +162,31 @@ class Calls:
                 if a == addr:
                     self.fail_rank(pending, rank, why)
 
-    def on_reply(self, env: _wire.Reply | _wire.Error, buffers: list[Any], call_id: int) -> bool:
-        """A reply for call ``call_id``; False when no such call is open."""
+    def on_reply(
+        self, env: _wire.Reply | _wire.Error, buffers: list[Any], call_id: int, peer: str
+    ) -> bool:
+        """A reply for call ``call_id`` from the process at ``peer``; False when no such
+        call is open.
+
+        A reply counts only when it comes from where the call went for its rank: the
+        rank's own process, or the first relay on its path. Anything else (a forged or
+        misdirected reply) is dropped and counted in :attr:`refused`.
+        """
         pending = self.pending.get(call_id)
         if pending is None:
             return False
         addr = pending.targets.get(env.rank)
         if addr is None:
+            return True
+        path = pending.via.get(env.rank)
+        if peer != (path[0] if path else addr):
+            self.refused += 1
+            _refusals.warning(
+                "dropped a reply for call %d rank %d from %s, which the call did not go to",
+                call_id,
+                env.rank,
+                peer,
+            )
             return True
         self.dec_inflight(addr, pending.actor)
         if isinstance(env, _wire.Reply):

@@ -31,9 +31,11 @@ class CallContext:
         call_id: the caller's call id.
         chain: serial handlers that wait on this one (see ``_wire.Call.chain``),
             including this one when it is serial; outgoing calls carry it on.
+        scope: the handler's cancel scope (None outside a handler): its
+            ``cancel_called`` says the caller gave up (see :func:`amesh.cancelled`).
     """
 
-    __slots__ = ("_point", "_where", "actor", "call_id", "chain", "instance", "sender")
+    __slots__ = ("_point", "_where", "actor", "call_id", "chain", "instance", "scope", "sender")
 
     def __init__(
         self,
@@ -51,6 +53,7 @@ class CallContext:
         self.sender = sender
         self.call_id = call_id
         self.chain = chain or []
+        self.scope: Any = None
 
     @property
     def point(self) -> Point:

@@ -12,12 +12,15 @@ import anyio
 
 from .. import _wire
 from .._errors import DeadlockError
+from .._ratelog import RateLimitedLog
 from ._links import Links
 from ._mailbox import ActorInstance, type_name_of
 
 __all__ = ["Dispatch"]
 
 log = logging.getLogger("amesh.runtime")
+#: a peer may send calls that are refused by the thousand: one line per interval
+_refusals = RateLimitedLog(log)
 
 #: How many recent requests are remembered to drop duplicates.
 _RECENT = 65536
@@ -73,8 +76,23 @@ class Dispatch:
             return
         if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
             return
-        self.queued.add((env.sender, env.call_id))
-        inst.put(env, buffers)
+        key = (env.sender, env.call_id)
+        self.queued.add(key)
+        try:
+            inst.put(env, buffers)
+        except anyio.ClosedResourceError:  # the actor is stopping: it takes nothing more
+            self.queued.discard(key)
+            if isinstance(env, _wire.Cast):
+                self._links.taken(env.sender, env.actor, _wire.payload_size(env))
+            else:
+                self.reply_error(
+                    env.reply_to or env.sender,
+                    env.reply_id or env.call_id,
+                    env.rank,
+                    LookupError,
+                    f"actor {env.actor!r} is stopping in process {self.pid}",
+                )
+            return
 
     def cancel(self, key: tuple[str, int], relayed: bool) -> None:
         """The sender cancelled request ``key`` (``relayed``: we were gathering it)."""
@@ -95,8 +113,8 @@ class Dispatch:
         name = type_name_of(exc_type)
         try:
             self._links.send_nowait(sender, _wire.Error(call_id, rank, name, msg, ""))
-        except Exception:  # an unreachable or bogus sender address
-            log.warning("could not answer %s", sender, exc_info=True)
+        except Exception as exc:  # one that cannot even be encoded
+            self._links.drop("could not answer %r: %s", sender, exc)
 
     def _deadlocks(self, inst: ActorInstance, env: _wire.Call) -> bool:
         """Refuse a call to a serial endpoint whose actor is waiting on the caller."""
@@ -112,7 +130,7 @@ class Dispatch:
             f"a time and is busy in {cycle[0]}, which waits on this call; make one of these "
             "endpoints @endpoint(concurrent=True)"
         )
-        log.warning("refused a call: %s", msg)
+        _refusals.warning("refused a call: %s", msg)
         self.reply_error(
             env.reply_to or env.sender, env.reply_id or env.call_id, env.rank, DeadlockError, msg
         )

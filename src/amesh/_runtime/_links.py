@@ -20,11 +20,15 @@ import anyio
 
 from .. import _wire
 from .._errors import Failure
+from .._ratelog import RateLimitedLog
 from .._transport import Transport, TransportClosed
 
 __all__ = ["CREDIT_BATCH", "CREDIT_BATCH_BYTES", "Links", "send_window"]
 
 log = logging.getLogger("amesh.runtime")
+#: frames that could not be sent (an address no transport here can reach, a frame
+#: too large): one log line per interval, each counted in ``Links.dropped``
+_drops = RateLimitedLog(log)
 
 #: A receiver returns credit after this many messages (or bytes) left a mailbox.
 CREDIT_BATCH = 32
@@ -89,24 +93,41 @@ class Links:
         self.credit_waits = 0
         #: receiving side: (sender, actor) -> [taken, bytes taken, credited, bytes credited]
         self._taken: dict[tuple[str, str], list[int]] = {}
+        #: frames and messages dropped here, rather than sent or handled (see drop)
+        self.dropped = 0
 
     # -- the outbox ---------------------------------------------------------------------
 
     async def send(self, addr: str, env: _wire.Envelope, buffers: list[Any] | None = None) -> None:
         """Encode and send, waiting while the link is full; a vanished peer is not an
-        error for the sender (its failure reaches the calls waiting on it)."""
+        error for the sender (its failure reaches the calls waiting on it), nor is an
+        address that no transport here can reach (the frame is dropped and counted).
+
+        Raises:
+            ValueError: the frame is larger than the transport takes.
+        """
         if addr == self.address:
             self._route_local(env, buffers or [])
             return
         if addr in self._dead:
             return
+        frame = _wire.encode(env, buffers)
         if addr in self._outq:
-            self.post(addr, _wire.encode(env, buffers))
+            self.post(addr, frame)
             return
         try:
-            await self.transport.send(addr, _wire.encode(env, buffers))
+            await self.transport.send(addr, frame)
         except TransportClosed:
             pass
+        except Exception as exc:
+            if isinstance(exc, ValueError) and _wire.frame_size(frame) > self.transport.max_frame:
+                raise
+            self.drop("dropped a frame to %r: %s", addr, exc)
+
+    def drop(self, msg: str, *args: Any) -> None:
+        """Count a frame or message dropped here, and log it (one line per interval)."""
+        self.dropped += 1
+        _drops.warning(msg, *args)
 
     def send_nowait(self, addr: str, env: _wire.Envelope, buffers: list[Any] | None = None) -> None:
         """Send without waiting (see :meth:`post`)."""
@@ -129,8 +150,8 @@ class Links:
                 return
         except TransportClosed:
             return
-        except ValueError:
-            log.exception("dropped a frame to %s", addr)
+        except Exception as exc:  # too large, or an address no transport here reaches
+            self.drop("dropped a frame to %r: %s", addr, exc)
             return
         self._outq[addr] = deque([frame])
         self._spawn(self._drain, addr)
@@ -139,12 +160,13 @@ class Links:
         queue = self._outq[addr]
         try:
             while queue and addr not in self._dead:
-                await self.transport.send(addr, queue[0])
+                try:
+                    await self.transport.send(addr, queue[0])
+                except TransportClosed:
+                    return
+                except Exception as exc:  # this frame only (see post)
+                    self.drop("dropped a frame to %r: %s", addr, exc)
                 queue.popleft()
-        except TransportClosed:
-            pass
-        except ValueError:
-            log.exception("dropped frames to %s", addr)
         finally:
             if self._outq.get(addr) is queue:
                 del self._outq[addr]

@@ -15,6 +15,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -40,10 +41,48 @@ STOP_TIMEOUT = 10.0
 
 @dataclass(frozen=True)
 class Handler:
-    """How to run one endpoint: the function and whether calls may interleave."""
+    """How to run one endpoint: the function, whether calls may interleave, and
+    whether it runs in a worker thread (sync endpoints only)."""
 
     fn: Callable[..., Any]
     concurrent: bool
+    thread: bool = False
+
+
+#: A result made of at most this many small objects is pickled on the event loop;
+#: anything bigger is pickled in a worker thread, so the process's other calls go on.
+_CHEAP_NODES = 256
+_SCALARS = (type(None), bool, int, float, complex, bytes, bytearray, memoryview)
+
+
+def cheap_to_pickle(obj: Any) -> bool:
+    """True if pickling ``obj`` surely takes microseconds: scalars, strings, byte
+    buffers (they travel out of band), arrays and tensors, and small containers of
+    those. Anything else (big containers, arbitrary objects) may take seconds."""
+    budget = _CHEAP_NODES
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        budget -= 1
+        if budget < 0:
+            return False
+        t = type(x)
+        if t in _SCALARS or (t is str and len(x) < 1 << 20):
+            continue
+        if t is list or t is tuple or t is set or t is frozenset:
+            if len(x) > budget:
+                return False
+            todo.extend(x)
+        elif t is dict:
+            if 2 * len(x) > budget:
+                return False
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif t.__module__ in ("torch", "numpy") and t.__name__ in ("Tensor", "ndarray"):
+            continue  # its data goes out of band
+        else:
+            return False
+    return True
 
 
 class Owned(Protocol):
@@ -76,7 +115,8 @@ def error_of(exc: BaseException) -> tuple[str, str, str]:
     """``(type name, message, traceback text)`` of ``exc``, for the wire.
 
     Never raises: an exception whose ``__str__`` or ``__repr__`` raises is still
-    described by its type, what could be printed, and its frames.
+    described by its type, what could be printed, and its frames. Each part is cut to
+    what an :class:`~amesh._wire.Error` may carry.
     """
     message = _safe_str(exc)
     try:
@@ -85,7 +125,15 @@ def error_of(exc: BaseException) -> tuple[str, str, str]:
         frames = traceback.format_tb(exc.__traceback__)
         tb = "".join(["Traceback (most recent call last):\n", *frames])
         tb += f"{type_name_of(type(exc))}: {message}\n"
-    return type_name_of(type(exc)), message, tb
+    return _wire.clip(type_name_of(type(exc)), _wire.MAX_NAME), _wire.clip(message), _wire.clip(tb)
+
+
+def _run_in_thread(
+    fn: Callable[..., Any], obj: Any, args: Any, kwargs: Any, reply: bool, shm: bool
+) -> tuple[Any, _codec.Payload | None]:
+    """Run a threaded endpoint, and pickle its result if it goes in a reply."""
+    result = fn(obj, *args, **kwargs)
+    return result, (_codec.dumps(result, shm=shm) if reply else None)
 
 
 class ActorInstance:
@@ -248,13 +296,14 @@ class ActorInstance:
         prefix = f"{self.runtime.address}#{self.key}#"
         for i, entry in enumerate(chain):
             if entry.startswith(prefix):
-                return [e.split("#", 2)[2] for e in chain[i:]]
+                # (an entry from a peer may be malformed: then it is shown whole)
+                return [e.split("#", 2)[-1] for e in chain[i:]]
         return None
 
     async def refuse(self, env: _wire.Call | _wire.Cast) -> None:
         """Answer a message to a failed actor with a supervision error."""
         if isinstance(env, _wire.Call):
-            msg = f"actor {self.label()} failed earlier: {self.failed}"
+            msg = _wire.clip(f"actor {self.label()} failed earlier: {self.failed}")
             await self.runtime.send_frame(
                 env.reply_to or env.sender,
                 _wire.Error(
@@ -278,42 +327,60 @@ class ActorInstance:
         where = (env.labels, env.sizes, env.rank)
         ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain)
         token = call_context.set(ctx)
-        scope = anyio.CancelScope()
+        scope = ctx.scope = anyio.CancelScope()
         rt.running[key] = scope
         self._running.add(scope)
+        dest, reply_id, shm = "", 0, False
+        if isinstance(env, _wire.Call):
+            dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
+            # one receiver: large buffers may go through shared memory
+            shm = is_local(dest)
         result: Any = None
+        payload: _codec.Payload | None = None
         failure: BaseException | None = None
         try:
             with scope:
                 if handler is None:
                     raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
                 args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
-                result = handler.fn(self.obj, *args, **kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
-        except Exception as exc:
+                if handler.thread:
+                    # In a worker thread, which pickles the result too; a cancel
+                    # waits for it to return (the actor stays serial), and
+                    # amesh.cancelled() tells the handler it may stop early.
+                    run = partial(_run_in_thread, handler.fn, self.obj, args, kwargs, is_call, shm)
+                    result, payload = await anyio.to_thread.run_sync(run)
+                else:
+                    result = handler.fn(self.obj, *args, **kwargs)
+                    if inspect.isawaitable(result):
+                        result = await result
+                if is_call and payload is None and not cheap_to_pickle(result):
+                    payload = await anyio.to_thread.run_sync(partial(_codec.dumps, result, shm=shm))
+        except Exception as exc:  # any pickling error is the call's, not the process's
             failure = exc
         finally:
             rt.running.pop(key, None)
             self._running.discard(scope)
             call_context.reset(token)
             self.handled += 1
-        if scope.cancelled_caught:
+        if scope.cancel_called:
             # The caller gave up (or the actor failed); it waits for nothing more.
+            if payload is not None:
+                _codec.release_payload(payload)
             return
-        if is_call:
-            assert isinstance(env, _wire.Call)
-            dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
         if failure is None and is_call:
             try:
-                # one receiver: large buffers may go through shared memory
-                payload = _codec.dumps(result, shm=is_local(dest))
-            except Exception as exc:  # any pickling error is the call's, not the process's
+                if payload is None:
+                    payload = _codec.dumps(result, shm=shm)
+            except Exception as exc:
                 failure = exc
             else:
                 data, lengths, parts = _wire.pack(payload.data, payload.buffers)
-                await rt.send_frame(dest, _wire.Reply(reply_id, env.rank, data, lengths), parts)
-                return
+                reply = _wire.Reply(reply_id, env.rank, data, lengths)
+                try:
+                    await rt.send_frame(dest, reply, parts)
+                    return
+                except ValueError as exc:  # larger than the transport takes: say so
+                    failure = exc
         if failure is None:
             return
         name, message, tb = error_of(failure)
@@ -357,7 +424,8 @@ class ActorInstance:
         for scope in list(self._running):
             scope.cancel()
         rt = self.runtime
-        report = _wire.FailureReport(self.key, self.rank, rt.pid, f"actor {self.label()}: {cause}")
+        text = _wire.clip(f"actor {self.label()}: {cause}")
+        report = _wire.FailureReport(self.key, self.rank, rt.pid, text)
         rt.start_soon(rt.report_failure, self.owner, report)
         rt.start_soon(self._stop_owned)
 

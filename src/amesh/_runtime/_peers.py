@@ -89,21 +89,34 @@ class Peers:
 
     def _announce(self, addr: str, why: Failure) -> None:
         notice = _wire.Died(
-            addr, why.mesh, why.rank, why.pid, why.host, why.cause, why.exit_code, why.signal
+            addr,
+            _wire.clip(why.mesh, _wire.MAX_NAME),
+            why.rank,
+            why.pid,
+            _wire.clip(why.host, _wire.MAX_NAME),
+            _wire.clip(why.cause),
+            why.exit_code,
+            why.signal,
         )
         for peer in [*self._watchers, self.parent]:
             if peer and peer != addr and peer not in self.dead:
                 self._links.send_nowait(peer, notice)
 
-    def on_notice(self, env: _wire.Died) -> None:
-        """Another supervisor says ``env.addr`` is gone (ignored for our own)."""
+    def on_notice(self, env: _wire.Died, peer: str) -> bool:
+        """A supervisor at ``peer`` says ``env.addr`` is gone (ignored for our own).
+
+        Only this process's own supervisor and the processes it supervises send
+        notices; from anyone else a notice is refused (False)."""
+        if peer != self.parent and peer not in self._watchers:
+            return False
         if env.addr in self._watchers or env.addr == self._links.address:
-            return
+            return True
         self.notices += 1
         why = Failure(
             env.mesh, env.rank, env.pid, env.cause, env.exit_code, env.signal, host=env.host
         )
         self.failed(env.addr, why)
+        return True
 
     def link_lost(self, addr: str, why: str) -> None:
         """The transport's link to ``addr`` broke."""

@@ -10,10 +10,10 @@ from typing import Any
 
 import msgspec
 
-from .. import _wire
+from .. import _codec, _wire
 from ._calls import Calls
 from ._links import Links
-from ._tree import Gather, ranks_of, split
+from ._tree import Gather, sources, split
 
 __all__ = ["Relays"]
 
@@ -29,17 +29,19 @@ class Relays:
         self.gathers: dict[int, Gather] = {}
         self._ids: dict[tuple[str, int], int] = {}
         self.relayed = 0
+        #: replies dropped because they came from a peer the request did not go to
+        self.refused = 0
 
     def relay(
         self, env: _wire.Relay, buffers: list[Any], accept: Callable[[Any, list[Any]], None]
     ) -> None:
         """Run a relayed message here (``accept``, if we are a target) and pass it on."""
         self.relayed += 1
-        if env.reply_to:  # a call
+        if env.reply_to and (env.rank >= 0 or env.nodes):  # a call, with someone to run it
             gid = self._calls.next_id()
             key = (env.sender, env.call_id)
             self.gathers[gid] = Gather(
-                key, env.reply_to, env.reply_id, ranks_of(env.rank, env.nodes)
+                key, env.reply_to, env.reply_id, sources(env.rank, self.address, env.nodes)
             )
             self._ids[key] = gid
             # replies from below come here, to be gathered
@@ -51,18 +53,36 @@ class Relays:
             assert not isinstance(local, _wire.Relay)
             accept(local, buffers)
 
-    def on_reply(self, env: _wire.Reply | _wire.Error, buffers: list[Any], gid: int) -> None:
-        """A reply from below for gather ``gid`` (late ones are dropped)."""
+    def on_reply(
+        self, env: _wire.Reply | _wire.Error, buffers: list[Any], gid: int, peer: str
+    ) -> bool:
+        """A reply from ``peer`` below for gather ``gid``; False when there is no such
+        gather (a late reply). One from a peer the request did not go to is dropped."""
         gather = self.gathers.get(gid)
-        if gather is not None and gather.add(env, buffers):
+        if gather is None:
+            return False
+        refused = gather.refused
+        if gather.add(env, buffers, peer):
             self._send_up(gid, gather)
+        self.refused += gather.refused - refused
+        return True
 
     def cancel(self, key: tuple[str, int]) -> bool:
         """The sender cancelled its call ``key``: stop gathering; True if we were."""
         gid = self._ids.pop(key, None)
         if gid is None:
             return False
-        self.gathers.pop(gid, None)
+        gather = self.gathers.pop(gid, None)
+        if gather is not None:
+            # replies gathered so far go nowhere now: free their shared memory
+            pos = 0
+            for item in gather.items:
+                if isinstance(item, _wire.Reply):
+                    n = len(item.buffers)
+                    _codec.discard_segments(
+                        _wire.unpack(item.payload, gather.parts[pos : pos + n])[0]
+                    )
+                    pos += n
         return True
 
     def prune(self, env: _wire.Prune) -> None:

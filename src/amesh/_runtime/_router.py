@@ -245,7 +245,9 @@ class Router:
             path = pending.via[r]
             behind.update(path[path.index(addr) + 1 :])
         for rank in lost:
-            msg = f"the result of rank {rank} was lost: the process relaying it {why.cause}"
+            msg = (
+                f"the result of {pending.where(rank)} was lost: the process relaying it {why.cause}"
+            )
             self._calls.fail_rank(pending, rank, why, msg)
         for peer in behind:
             if peer not in self._dead:

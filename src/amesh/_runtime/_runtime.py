@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -82,6 +83,10 @@ class RuntimeStats(msgspec.Struct, frozen=True):
     auth_refused: int
     casts_resent: int
     death_notices: int
+    replies_dropped: int
+    replies_refused: int
+    frames_refused: int
+    sends_dropped: int
 
 
 def current_runtime() -> Runtime:
@@ -113,7 +118,7 @@ class Runtime:
         self.new_event = native_event_class()
         self.calls = Calls(self.new_event)
         dead: dict[str, Failure] = {}
-        self.links = Links(transport, self._route, self.start_soon, dead, self.new_event)
+        self.links = Links(transport, self._route_own, self.start_soon, dead, self.new_event)
         self.router = Router(self.address, self.calls, self.links, dead)
         self.relays = Relays(self.address, self.calls, self.links)
         self.peers = Peers(dead, self.calls, self.router, self.links)
@@ -129,12 +134,17 @@ class Runtime:
         self.queued = self.dispatch.queued
         self.cancelled = self.dispatch.cancelled
         self.ready_waiters: dict[str, Callable[[_wire.Ready], None]] = {}
-        self.failure_handlers: dict[str, Callable[[_wire.FailureReport], None]] = {}
+        #: actor key -> what to do with a failure report from ``peer``
+        self.failure_handlers: dict[str, Callable[[_wire.FailureReport, str], None]] = {}
         #: meshes started outside any actor (owned by the controller itself)
         self.owned: list[Owned] = []
         #: unhandled failures of those meshes; they cancel the runtime's body
         self.root_failures: list[Failure] = []
         self._frames_dropped = 0
+        #: replies to calls no longer open (late, after a timeout or cancel)
+        self._late = 0
+        #: frames whose sender field names another process than the one that sent them
+        self._refused = 0
         self._bad_version = 0
         self._heartbeats = 0
 
@@ -168,6 +178,10 @@ class Runtime:
             auth_refused=t.auth_refused,
             casts_resent=self.router.resent,
             death_notices=self.peers.notices,
+            replies_dropped=self._late,
+            replies_refused=self.calls.refused + self.relays.refused,
+            frames_refused=self._refused,
+            sends_dropped=self.links.dropped,
         )
 
     @property
@@ -197,9 +211,10 @@ class Runtime:
         """A cast from ``sender`` left ``actor``'s mailbox (see :meth:`Links.taken`)."""
         self.links.taken(sender, actor, nbytes)
 
-    def open_call(self, actor: str, targets: dict[int, str]) -> Pending:
-        """Register a call before its requests go out, so no reply can be missed."""
-        return self.calls.open(actor, targets)
+    def open_call(self, actor: str, targets: dict[int, str], slots: Sequence[int] = ()) -> Pending:
+        """Register a call before its requests go out, so no reply can be missed
+        (``slots``: see :meth:`Calls.open`)."""
+        return self.calls.open(actor, targets, slots)
 
     def close_call(self, pending: Pending, cancel: bool) -> None:
         """Forget ``pending``; with ``cancel``, ask the ranks that did not answer to stop."""
@@ -219,6 +234,8 @@ class Runtime:
         tree: Tree | None = None,
     ) -> None:
         """Send the call of ``pending`` to each of its target ranks (down ``tree``)."""
+        if payload.segments:
+            pending.payload = payload  # released when the call closes
         await self.router.send_requests(pending, method, labels, sizes, payload, tree)
 
     async def send_casts(
@@ -252,21 +269,23 @@ class Runtime:
     async def report_failure(self, owner: str, failure: _wire.FailureReport) -> None:
         """Tell ``owner`` that an actor here failed."""
         if owner == self.address:
-            self._on_failure(failure)
+            self._on_failure(failure, self.address)
         else:
             await self.send_frame(owner, failure)
 
-    def _on_failure(self, failure: _wire.FailureReport) -> None:
+    def _on_failure(self, failure: _wire.FailureReport, peer: str) -> None:
         handler = self.failure_handlers.get(failure.actor)
         if handler is None:
-            log.error(
-                "unowned failure of actor %s rank %d: %s",
+            self._frames_dropped += 1
+            _drops.warning(
+                "unowned failure of actor %s rank %d from %s: %s",
                 failure.actor,
                 failure.rank,
+                peer,
                 failure.cause,
             )
             return
-        handler(failure)
+        handler(failure, peer)
 
     # -- local actors -------------------------------------------------------------------
 
@@ -282,8 +301,9 @@ class Runtime:
 
     # -- inbound ----------------------------------------------------------------------
 
-    def deliver(self, frame: bytes | memoryview) -> None:
-        """Route one inbound frame. Never raises: bad frames are dropped and counted."""
+    def deliver(self, frame: bytes | memoryview, peer: str) -> None:
+        """Route one inbound frame from ``peer`` (the address its sender proved it
+        speaks for). Never raises: bad frames are dropped and counted."""
         try:
             env, buffers = _wire.decode(frame)
         except _wire.BadFrame as exc:
@@ -297,20 +317,48 @@ class Runtime:
                 f"(it speaks version {_wire.VERSION})"
             )
             _drops.warning("dropped a frame: %s", msg)
-            if exc.sender:
-                self.dispatch.reply_error(exc.sender, exc.call_id, exc.rank, ProtocolError, msg)
+            if exc.sender == peer:  # a direct call from the peer: answer it
+                self.dispatch.reply_error(peer, exc.call_id, exc.rank, ProtocolError, msg)
             return
         try:
-            self._route(env, buffers)
-        except Exception:  # a router bug must not take the process down
+            self._route(env, buffers, peer)
+        except Exception as exc:  # a router bug must not take the process down
             self._frames_dropped += 1
-            log.exception("failed to route %s", type(env).__name__)
+            _drops.warning(
+                "failed to route %s from %s: %s",
+                type(env).__name__,
+                peer,
+                "".join(traceback.format_exception(exc)),
+            )
 
-    def _route(self, env: _wire.Envelope, buffers: list[Any]) -> None:
+    def _route_own(self, env: _wire.Envelope, buffers: list[Any]) -> None:
+        """Route a frame this process sent to itself."""
+        self._route(env, buffers, self.address)
+
+    def _refuse(self, env: _wire.Envelope, claimed: str, peer: str) -> None:
+        """Drop a frame that speaks for ``claimed`` but came from ``peer``."""
+        self._refused += 1
+        _drops.warning(
+            "dropped a %s from %s that claims to come from %s", type(env).__name__, peer, claimed
+        )
+
+    def _on_reply(
+        self, env: _wire.Reply | _wire.Error, buffers: list[Any], cid: int, peer: str
+    ) -> None:
+        if not self.calls.on_reply(env, buffers, cid, peer) and not self.relays.on_reply(
+            env, buffers, cid, peer
+        ):
+            self._late += 1
+            if isinstance(env, _wire.Reply):
+                # nobody will load it: its shared-memory segments go now
+                _codec.discard_segments(_wire.unpack(env.payload, buffers)[0])
+
+    def _route(self, env: _wire.Envelope, buffers: list[Any], peer: str) -> None:
         if isinstance(env, (_wire.Reply, _wire.Error)):
-            if not self.calls.on_reply(env, buffers, env.call_id):
-                self.relays.on_reply(env, buffers, env.call_id)
+            self._on_reply(env, buffers, env.call_id, peer)
         elif isinstance(env, (_wire.Call, _wire.Cast)):
+            # A request may have come down the relay tree: its sender is the caller,
+            # not the peer that passed it on.
             if not self.dispatch.is_duplicate(env.sender, env.call_id):
                 self.dispatch.accept(env, buffers)
         elif isinstance(env, _wire.Relay):
@@ -321,33 +369,49 @@ class Runtime:
             for item in env.replies:
                 n = len(item.buffers) if isinstance(item, _wire.Reply) else 0
                 # a reply in a Gathered keeps the id of the relay's gather
-                part = buffers[pos : pos + n]
-                if not self.calls.on_reply(item, part, env.call_id):
-                    self.relays.on_reply(item, part, env.call_id)
+                self._on_reply(item, buffers[pos : pos + n], env.call_id, peer)
                 pos += n
         elif isinstance(env, _wire.Credit):
-            if env.count < 0:
+            # credit and probes come straight from the process they speak for
+            if env.addr != peer:
+                self._refuse(env, env.addr, peer)
+            elif env.count < 0:
                 self.links.on_probe(env)
             else:
                 count = self.links.on_credit(env)
                 self.router.credited(env.addr, env.actor, count)
         elif isinstance(env, _wire.Cancel):
+            # a cancel comes straight from the caller, also to the relays
+            if env.sender != peer:
+                self._refuse(env, env.sender, peer)
+                return
             key = (env.sender, env.call_id)
             self.dispatch.cancel(key, relayed=self.relays.cancel(key))
         elif isinstance(env, _wire.Prune):
+            if env.sender != peer:
+                self._refuse(env, env.sender, peer)
+                return
             self.relays.prune(env)
         elif isinstance(env, _wire.Ready):
+            if env.addr != peer:
+                self._refuse(env, env.addr, peer)
+                return
             waiter = self.ready_waiters.pop(env.token, None)
             if waiter is not None:
                 waiter(env)
         elif isinstance(env, _wire.FailureReport):
-            self._on_failure(env)
+            self._on_failure(env, peer)
         elif isinstance(env, _wire.Heartbeat):
+            if env.addr != peer:
+                self._refuse(env, env.addr, peer)
+                return
             self._heartbeats += 1
             if env.addr in self.heartbeats:
                 self.heartbeats[env.addr] = anyio.current_time()
         elif isinstance(env, _wire.Died):
-            self.peers.on_notice(env)
+            if not self.peers.on_notice(env, peer):
+                self._refused += 1
+                _drops.warning("dropped a death notice for %s from %s", env.addr, peer)
 
 
 #: runtimes open in this process (in-process test workers are runtimes too)

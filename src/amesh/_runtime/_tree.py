@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _wire
 
-__all__ = ["Gather", "Nodes", "Plan", "plan", "ranks_of", "split"]
+__all__ = ["Gather", "Nodes", "Plan", "plan", "sources", "split"]
 
 #: ``(address, rank or -1, number of nodes below)``, in preorder
 Nodes = list[tuple[str, int, int]]
@@ -108,41 +108,63 @@ def plan(
 
 
 def split(nodes: Nodes) -> list[tuple[str, int, Nodes]]:
-    """The children of a subtree given in preorder, each with its own subtree."""
+    """The children of a subtree given in preorder, each with its own subtree.
+
+    A count of nodes below that runs past the end (a malformed relay) is cut there.
+    """
     out = []
     i = 0
-    while i < len(nodes):
+    n = len(nodes)
+    while i < n:
         addr, rank, below = nodes[i]
+        below = min(max(below, 0), n - i - 1)
         out.append((addr, rank, nodes[i + 1 : i + 1 + below]))
         i += 1 + below
     return out
 
 
-def ranks_of(own: int, nodes: Nodes) -> set[int]:
-    """The ranks a relay answers for: its own (if any) and those of its subtree."""
-    ranks = {rank for _, rank, _ in nodes if rank >= 0}
+def sources(own: int, address: str, nodes: Nodes) -> dict[int, str]:
+    """The ranks a relay at ``address`` answers for (its own, if any, and those of its
+    subtree ``nodes``), each with the address its reply comes from: the relay itself,
+    or the child at the top of the rank's branch."""
+    out: dict[int, str] = {}
+    for child, rank, below in split(nodes):
+        for _, r, _ in below:
+            if r >= 0:
+                out[r] = child
+        if rank >= 0:
+            out[rank] = child
     if own >= 0:
-        ranks.add(own)
-    return ranks
+        out[own] = address
+    return out
 
 
 class Gather:
     """A relay's collection of its subtree's replies to one call."""
 
-    __slots__ = ("items", "key", "parts", "reply_id", "reply_to", "waiting")
+    __slots__ = ("items", "key", "parts", "refused", "reply_id", "reply_to", "source", "waiting")
 
-    def __init__(self, key: tuple[str, int], reply_to: str, reply_id: int, ranks: set[int]):
+    def __init__(self, key: tuple[str, int], reply_to: str, reply_id: int, source: dict[int, str]):
         self.key = key
         self.reply_to = reply_to
         self.reply_id = reply_id
+        #: rank -> the address its reply must come from (its process, or the child
+        #: relay whose subtree it is in)
+        self.source = source
         #: ranks not heard from yet
-        self.waiting = ranks
+        self.waiting = set(source)
         self.items: list[_wire.Reply | _wire.Error] = []
         self.parts: list[Any] = []
+        #: replies dropped because they came from elsewhere
+        self.refused = 0
 
-    def add(self, env: _wire.Reply | _wire.Error, buffers: Sequence[Any]) -> bool:
-        """Take one reply; True if it should be sent up now (error or complete)."""
+    def add(self, env: _wire.Reply | _wire.Error, buffers: Sequence[Any], peer: str) -> bool:
+        """Take one reply from ``peer``; True if it should be sent up now (error or
+        complete). A reply from anywhere but where the rank's request went is dropped."""
         if env.rank not in self.waiting:
+            return False
+        if self.source[env.rank] != peer:
+            self.refused += 1
             return False
         self.waiting.discard(env.rank)
         self.items.append(env)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from ._base import Transport, TransportClosed, TransportStats
+from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._stream import StreamBeat, StreamTransport, is_stream_address
 
 __all__ = [
+    "Deliver",
     "HeartbeatSender",
     "StreamTransport",
     "Transport",

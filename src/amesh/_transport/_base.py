@@ -10,7 +10,12 @@ import msgspec
 if TYPE_CHECKING:
     from ._frame import Frame
 
-__all__ = ["FIRST_CONNECT_WINDOW", "Transport", "TransportClosed", "TransportStats"]
+__all__ = ["FIRST_CONNECT_WINDOW", "Deliver", "Transport", "TransportClosed", "TransportStats"]
+
+#: What a transport hands each inbound frame to: ``deliver(frame, peer)``, where
+#: ``peer`` is the listening address the sending process proved it speaks for (see
+#: :mod:`._auth`), so a receiver can tell who sent what.
+Deliver = Callable[[Any, str], None]
 
 #: How long a link keeps dialling a listener it never reached before it reports the
 #: loss. The listener may not accept yet; but a worker's address is published once it
@@ -65,11 +70,12 @@ class Transport(Protocol):
         """
         ...
 
-    async def serve(self, deliver: Callable[[Any], None]) -> None:
-        """Receive forever, calling ``deliver`` with every inbound frame.
+    async def serve(self, deliver: Deliver) -> None:
+        """Receive forever, calling ``deliver(frame, peer)`` with every inbound frame.
 
-        ``deliver`` gets a bytes-like frame (bytes, or a buffer it may keep views of)
-        and must not block; it runs on the event loop.
+        ``frame`` is bytes-like (bytes, or a buffer the receiver may keep views of);
+        ``peer`` is the address its sender proved it speaks for when its connection
+        was authenticated. ``deliver`` must not block; it runs on the event loop.
         """
         ...
 

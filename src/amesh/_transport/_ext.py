@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -34,7 +33,7 @@ import sniffio
 from pynng import _nng as _pynng_cffi
 
 from .. import _ext
-from ._base import TransportClosed, TransportStats
+from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame, frame_size
 from ._nng import Inbox, NngLinks, serve_with_sweeps
 
@@ -129,12 +128,12 @@ class ExtTransport:
                 except anyio.ClosedResourceError:
                     raise TransportClosed(f"link to {addr} was closed") from None
 
-    async def serve(self, deliver: Callable[[Any], None]) -> None:
+    async def serve(self, deliver: Deliver) -> None:
         await serve_with_sweeps(
             lambda: self._receive(deliver), self._box, self._links, lambda: self._closed
         )
 
-    async def _receive(self, deliver: Callable[[Any], None]) -> None:
+    async def _receive(self, deliver: Deliver) -> None:
         if sniffio.current_async_library() == "asyncio":
             await self._receive_asyncio(deliver)
             return
@@ -147,7 +146,7 @@ class ExtTransport:
             else:
                 await anyio.lowlevel.checkpoint()
 
-    def _drain_into(self, deliver: Callable[[Any], None]) -> int:
+    def _drain_into(self, deliver: Deliver) -> int:
         try:
             batch = self._rx.drain(_BATCH)
         except _ext.NngError as exc:
@@ -160,15 +159,16 @@ class ExtTransport:
             if self._closed:
                 raise TransportClosed("transport is closed")
             view = memoryview(msg)
-            if msg.pipe not in proven:
+            peer = proven.get(msg.pipe)
+            if peer is None:
                 box.admit(msg.pipe, view)  # a hello, or refused: never delivered
                 continue
             self._received += 1
             self._bytes_received += len(view)
-            deliver(view)
+            deliver(view, peer)
         return len(batch)
 
-    async def _receive_asyncio(self, deliver: Callable[[Any], None]) -> None:
+    async def _receive_asyncio(self, deliver: Deliver) -> None:
         """On asyncio, a reader callback delivers straight from the loop's poll: no task
         wakes per batch, and no reader is added and removed per wait."""
         loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ import anyio
 import pynng
 
 from ._auth import HANDSHAKE_TIMEOUT, hello
-from ._base import TransportClosed, TransportStats
+from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame, join
 from ._nng_pipes import Inbox, NngLink, fresh_address, notify_closing
 
@@ -172,12 +172,12 @@ class NngTransport:
                 except anyio.ClosedResourceError:
                     raise TransportClosed(f"link to {addr} was closed") from None
 
-    async def serve(self, deliver: Callable[[Any], None]) -> None:
+    async def serve(self, deliver: Deliver) -> None:
         await serve_with_sweeps(
             lambda: self._receive(deliver), self._box, self._links, lambda: self._closed
         )
 
-    async def _receive(self, deliver: Callable[[Any], None]) -> None:
+    async def _receive(self, deliver: Deliver) -> None:
         box = self._box
         sock, proven = box.sock, box.proven
         fd = sock.recv_fd
@@ -194,13 +194,14 @@ class NngTransport:
                 except pynng.Closed:
                     raise TransportClosed("transport is closed") from None
                 pipe = msg.pipe.id if msg.pipe is not None else -1
-                if pipe not in proven:
+                peer = proven.get(pipe)
+                if peer is None:
                     box.admit(pipe, msg.bytes)  # a hello, or refused: never delivered
                     continue
                 frame = msg.bytes
                 self._received += 1
                 self._bytes_received += len(frame)
-                deliver(frame)
+                deliver(frame, peer)
 
     def forget(self, addr: str) -> None:
         self._links.forget(addr)
@@ -259,15 +260,29 @@ class NngBeat:
         if sock is self._sock:  # on an NNG thread: the sending thread acts on it
             self._broken = True
 
-    def send(self, frame: bytes) -> bool:
+    @property
+    def stale(self) -> bool:
+        """Whether the next frame needs a new socket: there is none, or its pipe went."""
+        return self._broken or self._sock is None
+
+    def _current(self) -> pynng.Push0:
         if self._broken or self._sock is None:
             self._broken = False
             if self._sock is not None:
                 self._sock.close()
             self._sock = None
             self._sock = self._open()
+        return self._sock
+
+    def socket_id(self) -> int:
+        """The NNG id of the socket to send on, a new one if :attr:`stale` (for a
+        sender outside Python, such as :class:`amesh._ext.Beat`: close that sender
+        before calling this again, since it closes the socket it replaces)."""
+        return int(self._current().socket.id)
+
+    def send(self, frame: bytes) -> bool:
         try:
-            self._sock.send(frame, block=False)
+            self._current().send(frame, block=False)
         except pynng.TryAgain:
             return False
         return True

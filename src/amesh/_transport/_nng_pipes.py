@@ -151,7 +151,8 @@ class Inbox:
         if scheme == "auto":
             scheme = "abstract" if sys.platform == "linux" else "ipc"
         #: ids of the pipes that said a good hello
-        self.proven: set[int] = set()
+        #: proven pipes: id -> the address the dialer proved it speaks for
+        self.proven: dict[int, str] = {}
         #: pipes that have not: id -> (pipe, when it must have)
         self._unproven: dict[int, tuple[pynng.Pipe, float]] = {}
         #: proven pipes that are gone, oldest first
@@ -192,7 +193,7 @@ class Inbox:
         if pipe.id in self.proven:
             self._gone.append(pipe.id)
             while len(self._gone) > _GONE_KEPT:
-                self.proven.discard(self._gone.popleft())
+                self.proven.pop(self._gone.popleft(), None)
 
     # the event loop -------------------------------------------------------------------
 
@@ -203,12 +204,12 @@ class Inbox:
         if entry is None:
             return  # refused already (every pipe is listed before its first message)
         try:
-            self._check.check(msg)
+            peer = self._check.check(msg)
         except Refused as exc:
             self.refusals.refuse(_describe(entry[0]), str(exc))
             _close_pipe(entry[0])
             return
-        self.proven.add(pipe)
+        self.proven[pipe] = peer
 
     def sweep(self) -> None:
         """Close the pipes that were too slow to say hello (and log the refusals seen

@@ -69,7 +69,7 @@ import anyio
 import sniffio
 
 from ._auth import Refusals
-from ._base import TransportClosed, TransportStats
+from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._paths import ensure_ipc_dir
 from ._stream_io import (
@@ -158,8 +158,8 @@ class StreamTransport:
         self._links: dict[str, _Link] = {}
         self._inbound: set[_Inbound] = set()
         #: Frames received while nobody served (or after ``deliver`` failed).
-        self._backlog: deque[Buf] = deque()
-        self._deliver: Callable[[Any], None] | None = None
+        self._backlog: deque[tuple[Buf, str]] = deque()
+        self._deliver: Deliver | None = None
         self._serving = False
         self._serve_error: BaseException | None = None
         self._wake_serve: Callable[[], None] | None = None
@@ -285,7 +285,7 @@ class StreamTransport:
 
     # -- receiving -------------------------------------------------------------------
 
-    async def serve(self, deliver: Callable[[Any], None]) -> None:
+    async def serve(self, deliver: Deliver) -> None:
         if self._closed:
             raise TransportClosed("transport is closed")
         if self._serving:
@@ -304,13 +304,13 @@ class StreamTransport:
             raise error
         raise TransportClosed("transport is closed")
 
-    def _start_serving(self, deliver: Callable[[Any], None]) -> None:
+    def _start_serving(self, deliver: Deliver) -> None:
         """Deliver the backlog, then deliver as frames come."""
         while self._backlog and not self._closed:
-            frame = self._backlog.popleft()
+            frame, peer = self._backlog.popleft()
             self._received += 1
             self._bytes_received += len(frame)
-            deliver(frame)
+            deliver(frame, peer)
         if self._closed:
             raise TransportClosed("transport is closed")
         self._deliver = deliver
@@ -320,20 +320,20 @@ class StreamTransport:
     def _inbound_frame(self, frame: Buf, conn: _Inbound) -> None:
         deliver = self._deliver
         if deliver is None:
-            self._backlog.append(frame)
+            self._backlog.append((frame, conn.peer))
             conn.pause()
             return
         self._received += 1
         self._bytes_received += len(frame)
         try:
-            deliver(frame)
+            deliver(frame, conn.peer)
         except BaseException as exc:  # serve() raises it; later frames wait in the backlog
             self._serve_error = exc
             self._deliver = None
             if self._wake_serve is not None:
                 self._wake_serve()
 
-    async def _serve_asyncio(self, deliver: Callable[[Any], None]) -> None:
+    async def _serve_asyncio(self, deliver: Deliver) -> None:
         loop = self._loop
         assert loop is not None
         if self._server is None:
@@ -355,7 +355,7 @@ class StreamTransport:
         self._start_serving(deliver)
         await ended
 
-    async def _serve_anyio(self, deliver: Callable[[Any], None]) -> None:
+    async def _serve_anyio(self, deliver: Deliver) -> None:
         self._start_serving(deliver)
         async with anyio.create_task_group() as tg:
             self._wake_serve = tg.cancel_scope.cancel

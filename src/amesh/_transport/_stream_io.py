@@ -334,7 +334,11 @@ class AioLink(Waiters):
         give_up = loop.time() + FIRST_CONNECT_WINDOW
         try:
             while True:
-                sock = socket.socket(self._family, socket.SOCK_STREAM)
+                try:
+                    sock = socket.socket(self._family, socket.SOCK_STREAM)
+                except OSError as exc:  # out of file descriptors, say
+                    self.fail(f"cannot make a socket: {exc}")
+                    return
                 try:
                     sock.setblocking(False)
                     async with asyncio.timeout(HANDSHAKE_TIMEOUT):
@@ -356,6 +360,10 @@ class AioLink(Waiters):
                     if loop.time() >= give_up:
                         self.fail(f"cannot connect: {exc or type(exc).__name__}")
                         return
+                except Exception as exc:  # anything else fails the link, never hangs it
+                    sock.close()
+                    self.fail(f"cannot connect: {exc!r}")
+                    return
                 except BaseException:
                     sock.close()
                     raise
@@ -579,6 +587,9 @@ class AnyioLink(Waiters):
                 await anyio.sleep(delay)
                 delay = min(2 * delay, _RETRY_MAX)
                 continue
+            except Exception as exc:  # anything else fails the link, never hangs it
+                self.fail(f"cannot connect: {exc!r}")
+                return False
             self.sock = sock
             hello = answer(challenge, self.addr, self._own)
             self.frames.appendleft([hello])
@@ -692,6 +703,7 @@ class AnyioInbound:
             except Refused as exc:
                 return str(exc)
             if rest is not None:
+                self.peer = gate.peer
                 if rest:  # frames pipelined behind the answer
                     self.reader.get_buffer()[: len(rest)] = rest
                     self.reader.buffer_updated(len(rest))

@@ -6,6 +6,7 @@ the connection's handshake (:mod:`._auth`) is done.
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import struct
@@ -43,9 +44,13 @@ HLEN = HEADER.size
 MAX_SIZE = 2**32 - 1
 #: Inbound: frames up to this size are cut out of a per-connection buffer of
 #: ``CHUNK`` bytes (one copy, into ``bytes``); larger ones are read straight into a
-#: ``bytearray`` of their own.
+#: ``bytearray`` of their own, and from ``MAPPED`` bytes on into an anonymous
+#: ``mmap``: a bytearray is zero-filled at once, under the GIL (a second or more for
+#: a gigabyte, and a 4-byte header may ask for 2 GiB), while a mapping is filled in
+#: by the kernel, page by page, as the socket is read into it without the GIL.
 CHUNK = 64 * 1024
 SMALL = 16 * 1024
+MAPPED = 1024 * 1024
 #: Outbound: buffered frames up to this size are joined into one ``bytes``.
 JOIN_MAX = 64 * 1024
 NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -75,10 +80,12 @@ def parse_address(addr: str) -> tuple[int, SockAddr]:
         return socket.AF_UNIX, rest
     if sep and scheme == PREFIX + "tcp":
         host, _, port = rest.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            return socket.AF_INET6, (host[1:-1], int(port))
-        if host and port.isdigit():
-            return socket.AF_INET, (host, int(port))
+        # a port the socket calls take (a larger one raises OverflowError there)
+        if port.isascii() and port.isdigit() and len(port) <= 5 and int(port) <= 65535:
+            if host.startswith("[") and host.endswith("]") and len(host) > 2:
+                return socket.AF_INET6, (host[1:-1], int(port))
+            if host and "[" not in host and "]" not in host:
+                return socket.AF_INET, (host, int(port))
     raise ValueError(
         f"{addr!r} is not a stream transport address "
         "(stream+abstract://NAME, stream+ipc:///PATH, stream+tcp://HOST:PORT)"
@@ -138,13 +145,30 @@ class BadStream(Exception):
     """A peer announced a frame larger than this transport accepts."""
 
 
+def _frame_memory(size: int) -> memoryview:
+    """Writable memory for one large inbound frame, not zero-filled under the GIL.
+
+    Raises:
+        BadStream: the memory cannot be had (the peer will not get it either).
+    """
+    if size < MAPPED:
+        return memoryview(bytearray(size))
+    try:
+        # Private and anonymous: untouched pages cost nothing, and the mapping goes
+        # when the last view of it does.
+        return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
+    except OSError as exc:
+        raise BadStream(f"no memory for a frame of {size} bytes ({exc})") from None
+
+
 class Reader:
     """Cuts one connection's byte stream into frames and hands each to ``emit``.
 
     Feed it like a :class:`asyncio.BufferedProtocol`: read into :meth:`get_buffer`,
     then report the count to :meth:`buffer_updated`. Small frames are copied out of a
-    reusable buffer; a large one gets a ``bytearray`` of its own that the socket reads
-    into directly. No delivered frame's memory is ever reused.
+    reusable buffer; a large one gets memory of its own (see :data:`MAPPED`) that the
+    socket reads into directly, delivered as a writable memoryview that keeps it
+    alive. No delivered frame's memory is ever reused.
     """
 
     __slots__ = ("_big", "_buf", "_emit", "_end", "_filled", "_max", "_start", "_view", "stopped")
@@ -197,7 +221,7 @@ class Reader:
                 if self.stopped:
                     return
             elif size > SMALL:
-                big = memoryview(bytearray(size))
+                big = _frame_memory(size)
                 have = end - pos - HLEN
                 big[:have] = view[pos + HLEN : end]
                 self._big, self._filled = big, have
@@ -273,6 +297,20 @@ class StreamBeat:
             raise
         self._sock, self._rest = sock, b""
         return sock
+
+    def connect_fd(self) -> int:
+        """Connect and prove (as :meth:`send` would), then give the connection away:
+        its file descriptor, which the caller now owns (for a sender outside Python,
+        such as :class:`amesh._ext.Beat`).
+
+        Raises:
+            OSError: cannot connect.
+            Refused: the listener did not send an amesh challenge.
+        """
+        self.close()
+        sock = self._connect()
+        self._sock = None
+        return sock.detach()
 
     def close(self) -> None:
         """Close the connection (a later :meth:`send` connects again)."""

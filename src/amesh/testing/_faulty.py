@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 
 from .. import _wire
-from .._transport import Transport, TransportStats
+from .._transport import Deliver, Transport, TransportStats
 
 __all__ = ["FaultyTransport"]
 
@@ -162,12 +162,12 @@ class FaultyTransport:
             await self._inner.send(addr, frame)
         await self._inner.send(addr, frame)
 
-    async def serve(self, deliver: Callable[[Any], None]) -> None:
-        def filtered(frame: Any) -> None:
+    async def serve(self, deliver: Deliver) -> None:
+        def filtered(frame: Any, peer: str) -> None:
             if self._match(self.address, frame, inbound=True) is not None:
                 self.dropped += 1
                 return
-            deliver(frame)
+            deliver(frame, peer)
 
         await self._inner.serve(filtered)
 

@@ -136,6 +136,7 @@ class InProcessHost:
         env: Mapping[str, str] | None = None,
         *,
         heartbeat_period: float = 0.5,
+        heartbeat_timeout: float = 5.0,
     ) -> ProcHandle:
         worker = InProcessWorker(self._transport(scheme, host))
         ready = ReadyWaiter(rt)

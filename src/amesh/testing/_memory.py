@@ -5,11 +5,10 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 
-from .._transport import TransportClosed, TransportStats
+from .._transport import Deliver, TransportClosed, TransportStats
 from .._wire import Frame, join
 
 __all__ = ["MemoryTransport"]
@@ -36,7 +35,8 @@ class MemoryTransport:
 
     def __init__(self, max_queue: int = 10_000) -> None:
         self._address = f"memory://{uuid.uuid4().hex}"
-        self._queue: deque[bytes] = deque()
+        #: frames and the address of their sender
+        self._queue: deque[tuple[bytes, str]] = deque()
         self._max_queue = max_queue
         self._arrived: anyio.Event | None = None
         self._room: anyio.Event | None = None
@@ -73,10 +73,10 @@ class MemoryTransport:
             self._resumed.set()
             self._resumed = None
 
-    def _push(self, frame: bytes) -> bool:
+    def _push(self, frame: bytes, sender: str) -> bool:
         if len(self._queue) >= self._max_queue:
             return False
-        self._queue.append(frame)
+        self._queue.append((frame, sender))
         self._received += 1
         self._bytes_received += len(frame)
         if self._arrived is not None:
@@ -96,7 +96,7 @@ class MemoryTransport:
             if addr not in self._unreachable:
                 self._unreachable.add(addr)
                 self._report(addr, "cannot connect (nobody listens there)")
-        elif not peer._push(frame):
+        elif not peer._push(frame, self._address):
             return False
         else:
             self._links.add(addr)
@@ -123,7 +123,7 @@ class MemoryTransport:
         if self._arrived is not None:
             self._arrived.set()
 
-    async def serve(self, deliver: Callable[[Any], None]) -> None:
+    async def serve(self, deliver: Deliver) -> None:
         while True:
             if self._closed:
                 raise TransportClosed("transport is closed")
@@ -143,7 +143,7 @@ class MemoryTransport:
             for _ in range(min(len(self._queue), 256)):
                 if self._resumed is not None:
                     break
-                deliver(self._queue.popleft())
+                deliver(*self._queue.popleft())
             if self._room is not None:
                 self._room.set()
                 self._room = None

@@ -1,0 +1,59 @@
+"""A gibibyte through every adverb with default settings: no worker lost."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import anyio
+import pytest
+
+from amesh import ProcMesh
+
+from .actors import Big
+
+pytestmark = pytest.mark.anyio
+
+GIB = 1 << 30
+#: a pattern that a shifted or truncated copy would not match
+_PATTERN = bytes(range(251))
+
+
+def blob() -> bytes:
+    return (_PATTERN * (GIB // len(_PATTERN) + 1))[:GIB]
+
+
+def fingerprint(data: bytes) -> tuple[int, bytes, bytes]:
+    return len(data), bytes(data[:: 1 << 20]), bytes(data[-100:])
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # one backend: the payload path is the same, and it is slow
+
+
+async def test_a_gibibyte_through_every_adverb() -> None:
+    data = blob()
+    want = fingerprint(data)
+    with anyio.fail_after(600):
+        async with ProcMesh({"procs": 2}) as procs:
+            big = await procs.spawn("big", Big)
+            one = big.slice(procs=0)
+            pids = await big.pid.call()
+            # argument and result of call_one (shared memory on one host)
+            assert await one.fingerprint.call_one(data) == want
+            got = await one.make.call_one(GIB)
+            assert fingerprint(got) == want
+            del got
+            # to two ranks: the argument travels in each frame
+            assert list((await big.fingerprint.call(data)).values()) == [want, want]
+            results = await big.make.call(GIB)
+            assert [fingerprint(r) for r in results.values()] == [want, want]
+            del results
+            # broadcast: no reply; each rank keeps what it got
+            await big.keep.broadcast(data)
+            assert list((await big.kept.call()).values()) == [want, want]
+            assert await big.pid.call() == pids  # no worker was lost or restarted
+            peaks = list((await big.peak_rss_mib.call()).values())
+    controller = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS MiB: controller {controller:.0f}, workers {peaks}", file=sys.stderr)
