@@ -20,3 +20,11 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
 @pytest.fixture(autouse=True)
 def no_leaks(amesh_no_leaks: None) -> None:
     """Every test fails if it leaves a child process or a socket file behind."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `slurm` need root (tests/cluster.py): elsewhere, or with
+    AMESH_CLUSTER_TESTS=0, deselect them and list them at the end of the session."""
+    from .cluster import deselect_cluster_tests
+
+    deselect_cluster_tests(config, items)

@@ -158,3 +158,30 @@ async def test_tree_over_real_processes() -> None:
             assert (await c.echo.call(blob)).values() == [blob] * 7
             stats = (await procs.statistics()).values()
             assert sum(s["relayed"] for s in stats) >= 2 * 21
+
+
+def test_hosts_come_first() -> None:
+    """With hosts of ``group`` processes, the sender sends once per host (to the
+    host's first process), and every other process hangs below its own host's head,
+    whatever the fan-out."""
+    procs = [f"p{i}" for i in range(12)]  # 3 hosts of 4
+    for fanout in (2, 3, 16):
+        route = plan({r: r for r in range(12)}, procs, fanout, group=4)
+        heads = [addr for addr, _, _ in route.heads]
+        assert heads == ["p0", "p4", "p8"][: min(3, fanout)], (fanout, heads)
+
+        def check(parent: int, nodes: list[tuple[str, int, int]]) -> None:
+            for _, r, below in split(nodes):
+                # a process that is not its host's head is reached from its own host
+                assert r % 4 == 0 or r // 4 == parent // 4, (parent, r)
+                check(r, below)
+
+        for _, rank, nodes in route.heads:
+            assert rank % 4 == 0  # only heads are sent to from the sender
+            check(rank, nodes)
+        reached = {r for _, r, _ in route.heads} | {
+            r for _, _, nodes in route.heads for _, r, _ in nodes
+        }
+        assert reached == set(range(12))
+    # a single host: as before (direct up to the fan-out)
+    assert len(plan({r: r for r in range(4)}, procs[:4], 16, group=4).heads) == 4

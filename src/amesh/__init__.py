@@ -25,7 +25,10 @@ from ._errors import Failure as Failure
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RemoteTraceback as RemoteTraceback
 from ._errors import SupervisionError as SupervisionError
+from ._hosts import HostMesh as HostMesh
 from ._hosts import LocalHost as LocalHost
+from ._hosts import SlurmJob as SlurmJob
+from ._hosts import attach as attach
 from ._hosts import this_host as this_host
 from ._proc_mesh import ProcMesh as ProcMesh
 from ._run import run as run
@@ -42,6 +45,7 @@ __all__ = [
     "ActorMesh",
     "DeadlockError",
     "Failure",
+    "HostMesh",
     "LocalHost",
     "MeshEndpoint",
     "Point",
@@ -50,8 +54,10 @@ __all__ = [
     "RestartPolicy",
     "RemoteTraceback",
     "Shape",
+    "SlurmJob",
     "SupervisionError",
     "ValueMesh",
+    "attach",
     "cancelled",
     "current_actor",
     "current_rank",

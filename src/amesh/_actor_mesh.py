@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._endpoint import MeshEndpoint
 from ._runtime._runtime import Tree
+from ._runtime._tree import grouped
 from ._shape import Shape
 from ._value_mesh import MeshView
 
@@ -44,6 +45,7 @@ class ActorMesh(MeshView, Generic[A]):
         shape: Shape,
         procs: Sequence[str],
         fanout: int = 0,
+        group: int = 0,
     ) -> None:
         self.name = name
         self.key = key
@@ -52,11 +54,15 @@ class ActorMesh(MeshView, Generic[A]):
         self._procs = procs
         #: the relay tree's fan-out (below 2: every rank is sent to directly)
         self._fanout = fanout
+        #: processes per host when it spans hosts (the tree's first level is hosts)
+        self._group = group
         #: the ProcMesh that spawned it, in the owner's process only
         self._owner: MeshOwner | None = None
 
     def _with_shape(self, shape: Shape) -> ActorMesh[A]:
-        view = ActorMesh(self.name, self.key, self.actor_class, shape, self._procs, self._fanout)
+        view = ActorMesh(
+            self.name, self.key, self.actor_class, shape, self._procs, self._fanout, self._group
+        )
         view._owner = self._owner
         return view
 
@@ -82,10 +88,12 @@ class ActorMesh(MeshView, Generic[A]):
         return ws
 
     def _tree(self) -> Tree | None:
-        """The relay tree, when this mesh is big enough to use one."""
-        if self._fanout < 2 or len(self._procs) <= self._fanout:
+        """The relay tree, when this mesh is big enough to use one, or spans hosts."""
+        if self._fanout < 2 or (
+            len(self._procs) <= self._fanout and not grouped(self._procs, self._group)
+        ):
             return None
-        return Tree(self._procs, dict(enumerate(self._shape.slots)), self._fanout)
+        return Tree(self._procs, dict(enumerate(self._shape.slots)), self._fanout, self._group)
 
     def __getattr__(self, name: str) -> MeshEndpoint[Any]:
         if name.startswith("_"):
@@ -112,5 +120,6 @@ class ActorMesh(MeshView, Generic[A]):
                 self._shape,
                 tuple(self._procs),
                 self._fanout,
+                self._group,
             ),
         )

@@ -106,6 +106,8 @@ class ProcMesh(MeshView):
             raise ValueError(f"fanout must be 0 (no tree) or at least 2, got {self._fanout}")
         self._shape = Shape.from_sizes(per_host if per_host is not None else {"procs": 1})
         self._host: Host = host or default_host()
+        #: processes per host, when the host places them on several machines
+        self._group: int = getattr(self._host, "per_host", 0)
         self._env = dict(env or {})
         self._supervise = supervise
         self._hb_period = heartbeat_period or env_float("AMESH_HEARTBEAT_PERIOD", 0.5)
@@ -212,7 +214,7 @@ class ProcMesh(MeshView):
         return self
 
     async def _start(self, rt: Runtime, tg: TaskGroup) -> None:
-        handles = await self._life.start_procs(rt, len(self._shape))
+        handles = await self._life.start_procs(rt, list(range(len(self._shape))))
         st = self._state = MeshState(rt, tg, handles)
         self._sup = MeshSupervisor(
             self._life.label,
@@ -323,7 +325,7 @@ class ProcMesh(MeshView):
             raise TypeError(f"{actor_class.__qualname__}(): {exc}") from None
         payload = _codec.dumps((actor_class, args, kwargs))
         key = f"{name}-{uuid.uuid4().hex[:12]}"
-        mesh = ActorMesh(name, key, actor_class, self._shape, st.addrs, self._fanout)
+        mesh = ActorMesh(name, key, actor_class, self._shape, st.addrs, self._fanout, self._group)
         mesh._owner = self
         spawned = Spawned(mesh, payload, policy)
         st.spawned[key] = spawned

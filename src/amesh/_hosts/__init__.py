@@ -1,8 +1,10 @@
-"""Where processes come from: this machine now; host agents and SLURM later."""
+"""Where processes come from: this machine, and machines with a host agent."""
 
 from __future__ import annotations
 
 from .._mesh._host import Host, ProcHandle
 from ._local import LocalHost, this_host
+from ._remote import HostMesh, attach
+from ._slurm import SlurmJob
 
-__all__ = ["Host", "LocalHost", "ProcHandle", "this_host"]
+__all__ = ["Host", "HostMesh", "LocalHost", "ProcHandle", "SlurmJob", "attach", "this_host"]

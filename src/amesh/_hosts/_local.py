@@ -34,7 +34,7 @@ from .._transport._auth import job_key
 if TYPE_CHECKING:
     from ._zygote import Zygote
 
-__all__ = ["LocalHost", "ReadyWaiter", "this_host"]
+__all__ = ["LocalHost", "ReadyWaiter", "launch_worker", "this_host"]
 
 #: How long a worker may take from exec (or fork) to listening.
 STARTUP_TIMEOUT = 60.0
@@ -84,6 +84,7 @@ class LocalHost:
         *,
         heartbeat_period: float = 0.5,
         heartbeat_timeout: float = 5.0,
+        slot: int = 0,
     ) -> ProcHandle:
         """Start one worker and wait until it listens.
 
@@ -96,14 +97,7 @@ class LocalHost:
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         beats = (heartbeat_period, heartbeat_timeout)
         try:
-            process: ProcessLike | None = None
-            zygote = await _zygote_for(rt, child_env)
-            if zygote is not None:
-                process, pid = await _fork_worker(
-                    zygote, rt, ready.token, scheme, host, child_env, beats
-                )
-            if process is None:
-                process, pid = await _exec_worker(rt, ready.token, scheme, host, child_env, beats)
+            process, pid = await launch_worker(rt, ready.token, scheme, host, child_env, beats)
         except BaseException:
             ready.cancel()
             raise
@@ -137,6 +131,26 @@ class LocalHost:
         return ProcHandle(ready.msg.addr, ready.msg.pid, process)
 
 
+async def launch_worker(
+    rt: Runtime,
+    token: str,
+    scheme: str,
+    host: str,
+    child_env: dict[str, str],
+    beats: tuple[float, float],
+    parent: str = "",
+) -> tuple[ProcessLike, int]:
+    """Start a worker on this machine (from ``rt``'s zygote, else exec'd) that reports
+    Ready with ``token`` to ``parent`` (``rt`` unless given: a host agent starts
+    workers for a controller elsewhere) and heartbeats to it; ``(process, pid)``."""
+    zygote = await _zygote_for(rt, child_env)
+    if zygote is not None:
+        process, pid = await _fork_worker(zygote, rt, token, scheme, host, child_env, beats, parent)
+        if process is not None:
+            return process, pid
+    return await _exec_worker(rt, token, scheme, host, child_env, beats, parent)
+
+
 async def _exec_worker(
     rt: Runtime,
     token: str,
@@ -144,6 +158,7 @@ async def _exec_worker(
     host: str,
     child_env: dict[str, str],
     beats: tuple[float, float],
+    parent: str = "",
 ) -> tuple[ProcessLike, int]:
     """``python -m amesh._worker``, a child of this process."""
     # asyncio (and uvloop) fork from the event loop's own thread; trio forks from a
@@ -153,7 +168,7 @@ async def _exec_worker(
         and threading.current_thread() is threading.main_thread()
     )
     boot = Bootstrap(
-        rt.address,
+        parent or rt.address,
         os.getpid(),
         token,
         scheme,
@@ -189,13 +204,14 @@ async def _fork_worker(
     host: str,
     child_env: dict[str, str],
     beats: tuple[float, float],
+    parent: str = "",
 ) -> tuple[ProcessLike | None, int]:
     """A worker forked by ``zygote``; ``(None, 0)`` when it cannot (exec one instead)."""
     from ._zygote import ZygoteError
 
     # The zygote forks from its only thread, which lives as long as it does.
     boot = Bootstrap(
-        rt.address,
+        parent or rt.address,
         zygote.pid,
         token,
         scheme,

@@ -56,12 +56,14 @@ class ProcessLike(Protocol):
 
 
 class ProcHandle:
-    """One worker process: its address, pid and OS handle."""
+    """One worker process: its address, pid and OS handle (``local``: on this
+    machine, so its pid means something here)."""
 
-    def __init__(self, addr: str, pid: int, process: ProcessLike) -> None:
+    def __init__(self, addr: str, pid: int, process: ProcessLike, local: bool = True) -> None:
         self.addr = addr
         self.pid = pid
         self.process = process
+        self.local = local
         self.expected_exit = False
         #: a failure of this process was already reported
         self.failed = False
@@ -69,6 +71,12 @@ class ProcHandle:
     @property
     def returncode(self) -> int | None:
         return self.process.returncode
+
+    def exit_cause(self) -> str:
+        """How it ended: ``"was killed by SIGKILL"``, or why a remote host can no
+        longer say (its agent was lost)."""
+        lost: str | None = getattr(self.process, "lost", None)
+        return lost or describe_exit(self.returncode or 0)
 
     async def stop(self, grace: float) -> None:
         """Wait ``grace`` seconds for a requested exit, then terminate, then kill."""
@@ -98,10 +106,12 @@ class Host(Protocol):
         *,
         heartbeat_period: float = 0.5,
         heartbeat_timeout: float = 5.0,
+        slot: int = 0,
     ) -> ProcHandle:
         """Start one worker that reports Ready to ``rt`` and heartbeats to it every
         ``heartbeat_period`` seconds (``rt`` declares it dead after
-        ``heartbeat_timeout`` seconds of silence)."""
+        ``heartbeat_timeout`` seconds of silence), for process slot ``slot`` of its
+        mesh (a host of many machines places it by slot)."""
         ...
 
 

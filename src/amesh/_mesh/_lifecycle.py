@@ -130,7 +130,9 @@ class Lifecycle:
             host = rest.rsplit(":", 1)[0].strip("[]")
         return scheme, host
 
-    async def start_procs(self, rt: Runtime, n: int) -> list[ProcHandle]:
+    async def start_procs(self, rt: Runtime, slots: list[int]) -> list[ProcHandle]:
+        """Start a process for each of ``slots``, in that order."""
+        n = len(slots)
         # Shared-memory segments of processes that ended without cleaning up: a killed
         # controller's workers die with it, so nobody else ever removes them.
         _codec.sweep_segments()
@@ -145,6 +147,7 @@ class Lifecycle:
                 self.env,
                 heartbeat_period=self.heartbeat_period,
                 heartbeat_timeout=self.heartbeat_timeout,
+                slot=slots[i],
             )
 
         try:

@@ -19,7 +19,7 @@ from .._errors import Failure
 from .._runtime._mailbox import ActorInstance
 from .._supervision import Supervisor, call_hook, call_supervisor
 from .._wire import FailureReport
-from ._host import ProcHandle, describe_exit
+from ._host import ProcHandle
 from ._lifecycle import FAILED_STOP_TIMEOUT, Lifecycle, MeshState, failure_of
 
 __all__ = ["LINK_LOSS_GRACE", "STALL_SLACK", "MeshSupervisor", "pid_alive"]
@@ -106,7 +106,7 @@ class MeshSupervisor:
         if st.closing or handle.expected_exit or handle.failed:
             return
         handle.failed = True
-        failure = failure_of(self.label, slot, handle, describe_exit(handle.returncode or 0))
+        failure = failure_of(self.label, slot, handle, handle.exit_cause())
         self.proc_failed(st, slot, handle, failure)
 
     async def confirm_lost(self, st: MeshState, slot: int, handle: ProcHandle, why: str) -> None:
@@ -270,7 +270,7 @@ class MeshSupervisor:
                     if h.returncode is None:
                         h.process.kill()
                     tg.start_soon(h.stop, 0)
-            fresh = await self._life.start_procs(rt, len(slots))
+            fresh = await self._life.start_procs(rt, slots)
             if st.closing:  # the mesh is being stopped: these are not wanted any more
                 for h in fresh:
                     h.expected_exit = True
@@ -328,7 +328,11 @@ class MeshSupervisor:
         A remote error can beat the news of the death that caused it: a peer's
         collective fails as soon as the kernel closes the dead process's sockets.
         """
-        gone = [p for p in st.procs if p.failed or p.returncode is not None or not pid_alive(p.pid)]
+        gone = [
+            p
+            for p in st.procs
+            if p.failed or p.returncode is not None or (p.local and not pid_alive(p.pid))
+        ]
         with anyio.move_on_after(FAILED_STOP_TIMEOUT):
             while any(p.pid not in st.escalated for p in gone):
                 st.escalation = anyio.Event()

@@ -36,6 +36,8 @@ class Tree(NamedTuple):
     procs: Sequence[str]
     slots: Mapping[int, int]
     fanout: int
+    #: processes per host, hosts first (0: one host); see :func:`~._tree.plan`
+    group: int = 0
 
 
 class _Relayed:
@@ -75,7 +77,9 @@ class Router:
         of the relay tree with their subtrees (recorded in ``pending`` for a call)."""
         if tree is None:
             return [(addr, rank, []) for rank, addr in targets.items()]
-        route = plan({r: tree.slots[r] for r in targets}, tree.procs, tree.fanout, self._dead)
+        route = plan(
+            {r: tree.slots[r] for r in targets}, tree.procs, tree.fanout, self._dead, tree.group
+        )
         if pending is not None:
             pending.relays, pending.via = route.relays, route.via
         return route.heads
@@ -146,7 +150,9 @@ class Router:
         if tree is None:
             heads = self._heads(targets, None)
         else:
-            route = plan({r: tree.slots[r] for r in targets}, tree.procs, tree.fanout, self._dead)
+            route = plan(
+                {r: tree.slots[r] for r in targets}, tree.procs, tree.fanout, self._dead, tree.group
+            )
             heads = route.heads
             if route.via:
                 self._keep(req, parts, tree, route.via, seqs)
@@ -210,7 +216,7 @@ class Router:
                     continue
                 tree = cast.tree
                 slots = {r: tree.slots[r] for r in lost}
-                route = plan(slots, tree.procs, tree.fanout, self._dead)
+                route = plan(slots, tree.procs, tree.fanout, self._dead, tree.group)
                 for rank in lost:
                     cast.via[rank] = route.via.get(rank, ())
                 for addr, rank, nodes in route.heads:

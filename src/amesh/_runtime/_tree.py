@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _wire
 
-__all__ = ["Gather", "Nodes", "Plan", "plan", "sources", "split"]
+__all__ = ["Gather", "Nodes", "Plan", "grouped", "plan", "sources", "split"]
 
 #: ``(address, rank or -1, number of nodes below)``, in preorder
 Nodes = list[tuple[str, int, int]]
@@ -53,19 +53,47 @@ def _parent(slot: int, fanout: int) -> int:
     return slot // fanout - 1 if slot >= fanout else -1
 
 
+def _grouped_parent(slot: int, fanout: int, group: int) -> int:
+    """The parent of ``slot`` when hosts come first: the first process of each host
+    (its head) hangs off the sender in a tree of heads; the others hang off their
+    head, in a tree of the host's processes."""
+    host, j = divmod(slot, group)
+    if j:
+        return host * group + (j - 1) // fanout
+    up = _parent(host, fanout)
+    return up * group if up >= 0 else -1
+
+
+def grouped(procs: Sequence[str], group: int) -> bool:
+    """True if ``procs`` spans several hosts of ``group`` processes each."""
+    return 0 < group < len(procs)
+
+
 def plan(
     targets: Mapping[int, int],
     procs: Sequence[str],
     fanout: int,
     dead: Collection[str] = (),
+    group: int = 0,
 ) -> Plan:
     """Route a message to ``targets`` (rank -> slot) over the tree of ``procs``.
 
-    Returns None-free :class:`Plan`; with ``fanout < 2`` or a mesh of at most
+    With ``group`` (processes per host, slots ``h*group ..`` on host ``h``) the tree's
+    first level is one process per host, so a message crosses the network once per
+    host. Returns a :class:`Plan`; with ``fanout < 2``, or one host of at most
     ``fanout`` processes, every target is a direct child of the sender.
     """
     out = Plan()
-    if fanout < 2 or len(procs) <= fanout:
+    if grouped(procs, group) and fanout >= 2:
+
+        def parent(slot: int) -> int:
+            return _grouped_parent(slot, fanout, group)
+    else:
+
+        def parent(slot: int) -> int:
+            return _parent(slot, fanout)
+
+    if fanout < 2 or (len(procs) <= fanout and not grouped(procs, group)):
         for rank, slot in targets.items():
             out.heads.append((procs[slot], rank, []))
         return out
@@ -76,10 +104,10 @@ def plan(
         node = slot
         while node not in seen:
             seen.add(node)
-            up = _parent(node, fanout)
+            up = parent(node)
             # a dead relay is skipped: hang the node off its nearest live ancestor
             while up != -1 and up not in rank_of and procs[up] in dead:
-                up = _parent(up, fanout)
+                up = parent(up)
             children.setdefault(up, []).append(node)
             if up == -1:
                 break

@@ -59,11 +59,14 @@ __all__ = [
     "Refusals",
     "Refused",
     "adopt_key",
+    "adopt_key_file",
     "answer",
     "check_peer",
     "describe_peer",
     "hello",
     "job_key",
+    "read_key_file",
+    "write_key_file",
 ]
 
 log = logging.getLogger("amesh.transport")
@@ -106,16 +109,77 @@ class Refused(Exception):
 
 
 def job_key() -> bytes:
-    """This job's key: the one adopted from the parent, else a fresh one (the
-    controller's, made on first use)."""
+    """This job's key: the one adopted from the parent, else the one in the file
+    ``AMESH_KEY_FILE`` names, else a fresh one (the controller's, made on first use)."""
     global _key
     key = _key
     if key is None:
+        path = os.environ.get("AMESH_KEY_FILE")
+        fresh = read_key_file(path) if path else secrets.token_bytes(KEY_SIZE)
         with _key_lock:
             if _key is None:
-                _key = secrets.token_bytes(KEY_SIZE)
+                _key = fresh
             key = _key
     return key
+
+
+def write_key_file(path: str) -> None:
+    """Write a new key (hex, one line) to ``path``, readable by its owner only.
+
+    Raises:
+        FileExistsError: ``path`` exists (a key is never overwritten).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_bytes(KEY_SIZE).hex() + "\n")
+
+
+def read_key_file(path: str) -> bytes:
+    """The key in ``path`` (see :func:`write_key_file`).
+
+    Raises:
+        PermissionError: the file belongs to another user, or others may read it.
+        ValueError: it does not hold a key.
+        OSError: it cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"key file {path} belongs to uid {st.st_uid}, not to us")
+        if st.st_mode & 0o077:
+            raise PermissionError(
+                f"key file {path} has mode {st.st_mode & 0o777:o}: others may read it "
+                f"(chmod 600 {path})"
+            )
+        text = f.read(4 * KEY_SIZE).strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"key file {path} does not hold a key ({2 * KEY_SIZE} hex digits)")
+    return key
+
+
+def adopt_key_file(path: str) -> None:
+    """Make the key in ``path`` this process's job key (a controller that joins host
+    agents which hold it).
+
+    Raises:
+        RuntimeError: this process already uses another key (its workers prove
+            themselves with it).
+        PermissionError, ValueError, OSError: see :func:`read_key_file`.
+    """
+    global _key
+    key = read_key_file(path)
+    with _key_lock:
+        if _key is not None and not hmac.compare_digest(_key, key):
+            raise RuntimeError(
+                "this process already uses another job key; start it with "
+                f"AMESH_KEY_FILE={path}, or attach before it starts any mesh"
+            )
+        _key = key
 
 
 def adopt_key(key: bytes) -> None:

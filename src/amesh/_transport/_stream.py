@@ -101,18 +101,21 @@ __all__ = ["HIGH_WATER", "StreamBeat", "StreamTransport", "is_stream_address", "
 log = logging.getLogger(__name__)
 
 
-def _listen(scheme: str, host: str) -> tuple[socket.socket, str, str | None]:
-    """A non-blocking listening socket on a fresh address: (socket, address, ipc path)."""
+def _listen(scheme: str, host: str, port: int = 0) -> tuple[socket.socket, str, str | None]:
+    """A non-blocking listening socket on a fresh address (for tcp: on ``port``, 0 for
+    one the kernel picks): (socket, address, ipc path)."""
     scheme = scheme.removeprefix(PREFIX)
     if scheme == "auto":
         scheme = "abstract" if sys.platform == "linux" else "ipc"
-    addr = fresh_address(scheme, host.strip("[]"))
+    addr = fresh_address(scheme, host.strip("[]"), port)
     family, sockaddr = parse_address(addr)
     if scheme == "ipc":
         ensure_ipc_dir()
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
+        if port:  # a well-known port (an agent's): take it again at once after a restart
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
         if scheme == "tcp":  # report the port the kernel picked
             bound_host, port = sock.getsockname()[:2]
@@ -138,6 +141,7 @@ class StreamTransport:
         scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto`` (abstract on Linux, else
             ipc); a ``stream+`` prefix is allowed.
         host: the address to listen on for tcp.
+        port: the tcp port to listen on (0: one the kernel picks).
         max_frame: the largest frame accepted, in bytes (sent and received; at most
             2**32 - 1).
 
@@ -149,7 +153,12 @@ class StreamTransport:
     fast_asyncio: ClassVar[bool] = True
 
     def __init__(
-        self, scheme: str = "auto", *, host: str = "127.0.0.1", max_frame: int = DEFAULT_MAX_FRAME
+        self,
+        scheme: str = "auto",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame: int = DEFAULT_MAX_FRAME,
     ) -> None:
         if not 0 <= max_frame <= MAX_SIZE:
             raise ValueError(f"max_frame must be between 0 and {MAX_SIZE}, not {max_frame}")
@@ -169,7 +178,7 @@ class StreamTransport:
         self._tasks: set[Any] = set()
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
         self._lost_handler: Callable[[str, str], None] | None = None
-        self._lsock, self._address, self._ipc_path = _listen(scheme, host)
+        self._lsock, self._address, self._ipc_path = _listen(scheme, host, port)
         self._refusals = Refusals(self._address)
 
     @property

@@ -92,15 +92,15 @@ def parse_address(addr: str) -> tuple[int, SockAddr]:
     )
 
 
-def fresh_address(scheme: str, host: str = "127.0.0.1") -> str:
-    """A new address of ``scheme`` that nobody listens on (tcp: port 0)."""
+def fresh_address(scheme: str, host: str = "127.0.0.1", port: int = 0) -> str:
+    """A new address of ``scheme`` that nobody listens on (tcp: ``port``, 0 for any)."""
     name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     if scheme == "abstract":
         return f"{PREFIX}abstract://{name}"
     if scheme == "ipc":
         return f"{PREFIX}ipc://{os.path.join(ipc_dir(), name)}.sock"
     if scheme == "tcp":
-        return f"{PREFIX}tcp://[{host}]:0" if ":" in host else f"{PREFIX}tcp://{host}:0"
+        return f"{PREFIX}tcp://[{host}]:{port}" if ":" in host else f"{PREFIX}tcp://{host}:{port}"
     raise ValueError(f"unknown transport scheme {scheme!r} (abstract, ipc, tcp, auto)")
 
 

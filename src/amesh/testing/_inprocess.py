@@ -137,6 +137,7 @@ class InProcessHost:
         *,
         heartbeat_period: float = 0.5,
         heartbeat_timeout: float = 5.0,
+        slot: int = 0,
     ) -> ProcHandle:
         worker = InProcessWorker(self._transport(scheme, host))
         ready = ReadyWaiter(rt)

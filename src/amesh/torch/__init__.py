@@ -195,7 +195,7 @@ async def init_process_group(
         one_host = len(set(hosts)) == 1
         master_addr = "127.0.0.1" if one_host else hosts[0]
         rank0 = setup.flatten("rank").slice(rank=0)
-        port = await rank0.open_store.call_one("127.0.0.1" if one_host else "")
+        port = await rank0.open_store.call_one(master_addr)
         envs = _rank_envs(hosts, master_addr, port)
         gpus_dim = cuda_visible_devices and "gpus" in procs.sizes
         backends = (await setup.init.call(envs, gpus_dim, backend, timeout)).values()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
 from .._actor import Actor, current_rank, endpoint
+from .._runtime._runtime import current_runtime
 
 __all__ = ["RankEnv", "TorchSetup"]
 
@@ -64,8 +65,12 @@ class TorchSetup(Actor):
 
     @endpoint
     def describe(self) -> tuple[str, bool]:
-        """``(hostname, whether this process already has a default group)``."""
-        return socket.gethostname(), dist.is_available() and dist.is_initialized()
+        """``(this host, whether this process already has a default group)``: the
+        host is the address this process listens on when that is tcp (the one other
+        machines reach it at), else the hostname."""
+        scheme, _, rest = current_runtime().address.partition("://")
+        host = rest.rsplit(":", 1)[0].strip("[]") if scheme.endswith("tcp") else ""
+        return host or socket.gethostname(), dist.is_available() and dist.is_initialized()
 
     @endpoint
     def open_store(self, bind_addr: str) -> int:

@@ -1,0 +1,7 @@
+"""``python -m amesh``: the ``amesh`` command."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

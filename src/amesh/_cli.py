@@ -1,0 +1,75 @@
+"""The ``amesh`` command (also ``python -m amesh``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="amesh", description="amesh: one controller, many worker processes."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    keygen = sub.add_parser("keygen", help="write a new job key file (readable by you only)")
+    keygen.add_argument("path", help="where to write it (never overwritten)")
+
+    agent = sub.add_parser(
+        "agent", help="run a host agent: start workers for controllers that hold the key"
+    )
+    agent.add_argument(
+        "--listen", required=True, metavar="tcp://ADDR:PORT", help="where controllers reach it"
+    )
+    agent.add_argument("--key-file", required=True, metavar="PATH", help="see `amesh keygen`")
+    agent.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a controller may be unreachable before its workers are stopped (default 5)",
+    )
+    agent.add_argument(
+        "--route-to",
+        default="",
+        metavar="IP",
+        help="listen on this machine's address towards IP (the controller's), whatever "
+        "--listen's ADDR says",
+    )
+    agent.add_argument(
+        "--announce", default="", metavar="PATH", help="write the address to PATH once listening"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "keygen":
+        from ._transport._auth import write_key_file
+
+        try:
+            write_key_file(args.path)
+        except OSError as exc:
+            print(f"amesh keygen: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote a new key to {args.path}")
+        return 0
+    if args.command == "agent":
+        from ._hosts._agent import DEFAULT_GRACE, parse_listen
+        from ._hosts._agent import main as agent_main
+        from ._transport._auth import read_key_file
+
+        try:
+            parse_listen(args.listen)
+            read_key_file(args.key_file)
+        except (OSError, ValueError) as exc:
+            print(f"amesh agent: {exc}", file=sys.stderr)
+            return 2
+        grace = DEFAULT_GRACE if args.grace is None else args.grace
+        if grace < 0:
+            print("amesh agent: --grace must be at least 0", file=sys.stderr)
+            return 2
+        return agent_main(args.listen, args.key_file, grace, args.route_to, args.announce)
+    raise AssertionError(args.command)  # argparse allows no other

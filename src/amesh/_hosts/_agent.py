@@ -1,0 +1,291 @@
+"""Host agents: one process per machine that starts workers for controllers elsewhere.
+
+``amesh agent --listen tcp://ADDR:PORT --key-file PATH`` runs :func:`serve_agent`. The
+agent is an amesh runtime listening on that address, with one actor,
+:class:`HostAgent`, under the well-known key :data:`AGENT_ACTOR`. Its listener admits
+only peers that prove they hold the key in ``PATH`` (the job key, see
+:mod:`amesh._transport._auth`), as every amesh listener does: a controller that holds
+the key is one of the job.
+
+A controller asks the agent to start a worker (:meth:`HostAgent.start_proc`). The
+worker comes from the agent's zygote (else it is exec'd), is a child of the agent, and
+reports Ready and heartbeats straight to the controller, which supervises it as it
+does a local worker; the agent tells the controller how each worker exited
+(:meth:`HostAgent.wait_exit`, answered the moment the agent reaps it) and kills one on
+request.
+
+Workers never outlive their controller: a controller that attached keeps a lease on
+each agent, a heartbeat every half second sent by a thread of the C extension (so a
+controller whose event loop is busy or stopped in a debugger keeps it). An agent that
+hears no lease from a controller for ``grace`` seconds (the controller died, or the
+network between them is cut) kills that controller's workers. Workers also die with
+the agent (parent-death signal, and the pipe watch of :mod:`amesh._worker`). On SIGTERM
+or SIGINT the agent stops every worker and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .. import _codec
+from .._actor import Actor, endpoint, handlers_of
+from .._mesh._host import ProcessLike
+from .._runtime._context import call_context
+from .._runtime._mailbox import ActorInstance
+from .._runtime._runtime import Runtime, current_runtime, open_runtime
+from .._transport import StreamTransport
+from .._transport._auth import adopt_key, read_key_file
+from ._local import launch_worker
+
+__all__ = ["AGENT_ACTOR", "DEFAULT_GRACE", "HostAgent", "parse_listen", "serve_agent"]
+
+log = logging.getLogger("amesh.agent")
+
+#: The routing key of the agent's actor, the same on every agent.
+AGENT_ACTOR = "amesh-host-agent"
+#: Seconds a controller's link may stay broken before its workers are stopped.
+DEFAULT_GRACE = 5.0
+
+
+@dataclass
+class _Child:
+    """A worker this agent started."""
+
+    process: ProcessLike
+    owner: str
+    exited: anyio.Event = field(default_factory=anyio.Event)
+
+
+class HostAgent(Actor):
+    """The actor of a host agent: starts, reports and stops workers for controllers.
+
+    Args:
+        host: the address workers listen on (the one controllers reach this host at).
+        grace: see :data:`DEFAULT_GRACE`.
+    """
+
+    def __init__(self, host: str, grace: float = DEFAULT_GRACE) -> None:
+        self.host = host
+        self.grace = grace
+        self.children: dict[int, _Child] = {}
+        #: controllers with workers here, whose leases are watched
+        self._watched: set[str] = set()
+        self._monitor: Runtime | None = None
+
+    @endpoint(concurrent=True)
+    def info(self) -> dict[str, Any]:
+        """This host: its name, the agent's address and pid, CPUs, workers running."""
+        return {
+            "hostname": socket.gethostname(),
+            "addr": current_runtime().address,
+            "host": self.host,
+            "pid": os.getpid(),
+            "cpus": os.cpu_count() or 1,
+            "workers": sorted(pid for pid, c in self.children.items() if not c.exited.is_set()),
+            "auth_refused": current_runtime().statistics().auth_refused,
+        }
+
+    @endpoint(concurrent=True)
+    async def start_proc(
+        self,
+        token: str,
+        env: Mapping[str, str],
+        heartbeat_period: float,
+        heartbeat_timeout: float,
+    ) -> int:
+        """Start a worker that reports Ready with ``token`` to the caller; its pid."""
+        ctx = call_context.get()
+        assert ctx is not None
+        owner = ctx.sender
+        rt = current_runtime()
+        child_env = dict(os.environ)
+        child_env.update(env)
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        process, pid = await launch_worker(
+            rt,
+            token,
+            "tcp",
+            self.host,
+            child_env,
+            (heartbeat_period, heartbeat_timeout),
+            parent=owner,
+        )
+        child = self.children[pid] = _Child(process, owner)
+        rt.start_soon(self._reap, pid, child)
+        self._watch(rt, owner)
+        log.info("started worker %d for %s", pid, owner)
+        return pid
+
+    @endpoint(concurrent=True)
+    async def wait_exit(self, pid: int) -> int:
+        """The exit status of worker ``pid`` once it has exited (negative: killed by
+        that signal), as soon as the agent reaps it."""
+        child = self.children.get(pid)
+        if child is None:
+            raise LookupError(f"no worker {pid} was started by this agent")
+        await child.exited.wait()
+        rc = child.process.returncode
+        assert rc is not None
+        return rc
+
+    @endpoint(concurrent=True)
+    def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``pid`` (nothing if it is gone)."""
+        child = self.children.get(pid)
+        if child is None or child.process.returncode is not None:
+            return
+        if sig == signal.SIGTERM:
+            child.process.terminate()
+        else:
+            child.process.kill()
+
+    async def _reap(self, pid: int, child: _Child) -> None:
+        try:
+            await child.process.wait()
+        finally:
+            child.exited.set()
+            log.info("worker %d exited (%s)", pid, child.process.returncode)
+            # what it sent through shared memory that nobody took (it was killed)
+            _codec.remove_segments_of(pid)
+            await child.process.aclose()
+
+    # -- controllers that are gone ----------------------------------------------------
+
+    def _watch(self, rt: Runtime, owner: str) -> None:
+        """Hear ``owner``'s leases (heartbeats from a thread of its, see
+        :func:`amesh._hosts._remote.attach`); a broken link alone proves nothing."""
+        if owner not in self._watched:
+            self._watched.add(owner)
+            rt.peers.watch(owner, lambda why: None, anyio.current_time())
+            if self._monitor is None:
+                self._monitor = rt
+                rt.start_soon(self._expire, rt)
+
+    async def _expire(self, rt: Runtime) -> None:
+        """Stop the workers of every controller silent for ``grace`` seconds."""
+        while True:
+            await anyio.sleep(min(0.25, self.grace / 4) or 0.05)
+            now = anyio.current_time()
+            for owner in list(self._watched):
+                last = rt.heartbeats.get(owner, now)
+                if now - last > self.grace:
+                    self._watched.discard(owner)
+                    rt.peers.unwatch(owner)
+                    self._stop_workers_of(owner, f"no lease for {now - last:.1f} s")
+
+    def _stop_workers_of(self, owner: str, why: str) -> None:
+        mine = [p for p, c in self.children.items() if c.owner == owner]
+        log.warning("controller %s is gone (%s): stopping its %d worker(s)", owner, why, len(mine))
+        for pid in mine:
+            child = self.children[pid]
+            if child.process.returncode is None:
+                child.process.kill()
+
+    def stop_all(self) -> None:
+        """Kill every worker (the agent is exiting)."""
+        for child in self.children.values():
+            if child.process.returncode is None:
+                child.process.kill()
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``(host, port)`` of ``tcp://ADDR:PORT`` (IPv6 in brackets; port 0: any).
+
+    Raises:
+        ValueError: not such an address.
+    """
+    rest = listen.removeprefix("stream+")
+    if not rest.startswith("tcp://"):
+        raise ValueError(f"an agent listens on tcp://ADDR:PORT, not {listen!r}")
+    host, sep, port = rest.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"an agent listens on tcp://ADDR:PORT, not {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+def address_towards(peer: str) -> str:
+    """This machine's address on the interface that routes to ``peer`` (an IP): the
+    one a process there can reach us at. No packet is sent."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return str(s.getsockname()[0])
+
+
+def announce(path: str, addr: str) -> None:
+    """Write ``addr`` to ``path`` in one step (a reader sees all of it or nothing)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(addr + "\n")
+    os.replace(tmp, path)
+
+
+async def serve_agent(
+    listen: str,
+    key_file: str,
+    grace: float = DEFAULT_GRACE,
+    *,
+    route_to: str = "",
+    announce_to: str = "",
+    task_status: Any = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a host agent until SIGTERM or SIGINT (or cancellation); see the module doc.
+
+    Args:
+        listen: ``tcp://ADDR:PORT`` (port 0: any free one).
+        key_file: the job key (see ``amesh keygen``).
+        grace: see :data:`DEFAULT_GRACE`.
+        route_to: an IP (the controller's): listen on the address of the interface
+            that routes there, whatever ``ADDR`` says.
+        announce_to: a file to write the agent's address to once it listens (a batch
+            job's agents tell their controller where they are).
+
+    ``task_status.started`` gets the agent's address once it listens.
+    """
+    host, port = parse_listen(listen)
+    if route_to:
+        host = address_towards(route_to)
+    adopt_key(read_key_file(key_file))
+    async with open_runtime(lambda: StreamTransport("tcp", host=host, port=port)) as rt:
+        agent = HostAgent(host, grace)
+        inst = ActorInstance(rt, AGENT_ACTOR, AGENT_ACTOR, agent, handlers_of(HostAgent), "", 0)
+        rt.add_actor(inst)
+        log.info("amesh agent %d listening on %s", os.getpid(), rt.address)
+        if announce_to:
+            announce(announce_to, rt.address)
+        try:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                task_status.started(rt.address)
+                async for sig in signals:
+                    log.info("amesh agent: %s, stopping", signal.Signals(sig).name)
+                    break
+        finally:
+            with anyio.CancelScope(shield=True):
+                agent.stop_all()
+                for child in list(agent.children.values()):
+                    with anyio.move_on_after(5):
+                        await child.exited.wait()
+
+
+def main(
+    listen: str, key_file: str, grace: float, route_to: str = "", announce_to: str = ""
+) -> int:
+    """The ``amesh agent`` command."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=os.environ.get("AMESH_LOG_LEVEL", "INFO"),
+        format="%(asctime)s amesh agent %(levelname)s %(name)s: %(message)s",
+    )
+    anyio.run(
+        lambda: serve_agent(listen, key_file, grace, route_to=route_to, announce_to=announce_to)
+    )
+    return 0

@@ -1,0 +1,314 @@
+"""Many machines: a :class:`HostMesh` of host agents, and the processes they start.
+
+``hosts = await amesh.attach(["tcp://ADDR:PORT", ...], key_file=PATH)`` reaches an
+``amesh agent`` on each machine (see :mod:`amesh._hosts._agent`) and returns a
+:class:`HostMesh` with one dimension, ``hosts``. ``hosts.spawn_procs(per_host={"gpus":
+8})`` is a :class:`~amesh.ProcMesh` of ``{"hosts": N, "gpus": 8}``: process slot ``s``
+runs on host ``s // 8``. Each worker reports to this controller directly (so the
+controller must listen where the hosts can reach it: ``AMESH_TRANSPORT=tcp`` and
+``AMESH_HOST`` set to its address on their network), and is supervised as a local one
+is; the agent reports its exit status the moment it reaps it. The loss of an agent is
+the loss of every worker on its host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+
+from .. import _wire
+from .._actor_mesh import ActorMesh
+from .._errors import SupervisionError
+from .._mesh._host import ProcHandle
+from .._proc_mesh import ProcMesh
+from .._runtime._runtime import Runtime, current_runtime
+from .._shape import Shape
+from .._transport import heartbeat_sender
+from .._transport._auth import adopt_key_file
+from .._value_mesh import MeshView
+from .._worker import NativeBeats
+from ._agent import AGENT_ACTOR, HostAgent
+from ._local import STARTUP_TIMEOUT, ReadyWaiter
+
+__all__ = ["HostMesh", "RemoteProcess", "attach"]
+
+
+class RemoteProcess:
+    """A worker on another machine, as its host agent reports it (a ``ProcessLike``).
+
+    Attributes:
+        lost: why its exit status cannot be known (its agent was lost), else None.
+    """
+
+    def __init__(self, agent: ActorMesh[HostAgent], pid: int, where: str) -> None:
+        self._agent = agent
+        self.pid = pid
+        self._where = where
+        self._rc: int | None = None
+        self.lost: str | None = None
+        self._done = anyio.Event()
+        self._waiting = False
+        self._killed = anyio.Event()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._rc
+
+    async def wait(self) -> int:
+        # One waiter asks the agent; the others wait for it (and take over if it is
+        # cancelled).
+        while self._rc is None:
+            if self._waiting:
+                await self._done.wait()
+                continue
+            self._waiting, self._done = True, anyio.Event()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._ask, tg.cancel_scope)
+                    await self._killed.wait()
+                    # killed: the agent confirms by reaping it, unless it cannot be
+                    # reached (a cut network) -- then the host is as good as lost
+                    await anyio.sleep(KILL_CONFIRM)
+                    if self._rc is None:
+                        self.lost = (
+                            f"was killed, and its host agent at {self._where} did not "
+                            f"confirm within {KILL_CONFIRM:g} s"
+                        )
+                        self._rc = -signal.SIGKILL
+                    tg.cancel_scope.cancel()
+            finally:
+                self._waiting = False
+                self._done.set()
+        return self._rc
+
+    async def _ask(self, scope: anyio.CancelScope) -> None:
+        try:
+            self._rc = await self._agent.wait_exit.call_one(self.pid)
+        except SupervisionError as exc:
+            # the agent is gone, and its workers die with it
+            self.lost = f"was lost with its host agent at {self._where} ({exc.message})"
+            self._rc = -signal.SIGKILL
+        scope.cancel()
+
+    def _signal(self, sig: int) -> None:
+        if self._rc is not None:
+            return
+        if sig == signal.SIGKILL:
+            self._killed.set()
+
+        async def send() -> None:
+            try:
+                await self._agent.kill.call_one(self.pid, sig)
+            except SupervisionError:
+                pass  # the agent is gone: so is the worker
+
+        current_runtime().start_soon(send)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    async def aclose(self) -> None:
+        pass
+
+
+#: Seconds a killed remote worker's agent has to confirm that it reaped it.
+KILL_CONFIRM = 5.0
+#: Seconds between a controller's leases on its agents (see :mod:`._agent`).
+LEASE_PERIOD = 0.5
+
+
+class _Leases:
+    """This controller's leases on host agents: heartbeats to each, from a thread of
+    the C extension that never takes the GIL (else a Python thread), so that a
+    controller whose event loop stalls keeps its workers. Stopped with the runtime."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._stop = threading.Event()
+        self._beats: list[NativeBeats] = []
+        self.agents: set[str] = set()
+
+    def add(self, agent: str) -> None:
+        if agent in self.agents:
+            return
+        self.agents.add(agent)
+        target: Any
+        args: tuple[Any, ...]
+        try:
+            beats = NativeBeats(agent, self._rt.address, LEASE_PERIOD, 0, 0.0)
+        except ImportError:
+            target, args = _python_leases, (agent, self._rt.address, self._stop)
+        else:
+            beats.renew()
+            self._beats.append(beats)
+            target, args = beats.watch, (self._stop,)
+        threading.Thread(target=target, args=args, name="amesh-lease", daemon=True).start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for beats in self._beats:
+            beats.close()
+
+
+def _python_leases(agent: str, own: str, stop: threading.Event) -> None:
+    frame = _wire.join(_wire.encode(_wire.Heartbeat(own, os.getpid())))
+    sender = heartbeat_sender(agent, own=own)
+    try:
+        while not stop.wait(LEASE_PERIOD):
+            sender.send(frame)
+    finally:
+        sender.close()
+
+
+_LEASES: weakref.WeakKeyDictionary[Runtime, _Leases] = weakref.WeakKeyDictionary()
+
+
+def _lease(rt: Runtime, agents: Sequence[str]) -> None:
+    leases = _LEASES.get(rt)
+    if leases is None:
+        leases = _LEASES[rt] = _Leases(rt)
+        rt.owned.insert(0, leases)  # stopped last, after the meshes on the agents
+    for agent in agents:
+        leases.add(agent)
+
+
+class HostMesh(MeshView):
+    """Machines with an ``amesh agent`` each: one dimension, ``hosts``.
+
+    Made by :func:`attach`. ``spawn_procs`` gives a :class:`~amesh.ProcMesh` on them.
+    """
+
+    def __init__(self, agents: ActorMesh[HostAgent], infos: list[dict[str, Any]]) -> None:
+        self._agents = agents
+        self._shape = agents.shape
+        self._infos = infos
+
+    def _with_shape(self, shape: Shape) -> HostMesh:
+        return HostMesh(self._agents._with_shape(shape), [self._infos[s] for s in shape.slots])
+
+    def __repr__(self) -> str:
+        return f"<HostMesh {[i['host'] for i in self._infos]}>"
+
+    @property
+    def hosts(self) -> list[dict[str, Any]]:
+        """What each agent said of its host: ``hostname``, ``host`` (its address),
+        ``addr`` (the agent's), ``pid``, ``cpus``."""
+        return list(self._infos)
+
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, **kwargs: Any) -> ProcMesh:
+        """A :class:`~amesh.ProcMesh` of ``{"hosts": N, **per_host}`` processes, ``per_host``
+        on each machine; enter it (or await it) to start them. Takes the keyword
+        arguments of :class:`~amesh.ProcMesh` but ``host``."""
+        per = dict(per_host or {"procs": 1})
+        if "hosts" in per:
+            raise ValueError("per_host describes one host: it cannot have a 'hosts' dimension")
+        count = len(Shape.from_sizes(per))
+        return ProcMesh({"hosts": len(self), **per}, host=_Placement(self, count), **kwargs)
+
+
+class _Placement:
+    """The Host of a ProcMesh on a HostMesh: slot ``s`` goes to host ``s // per_host``."""
+
+    def __init__(self, hosts: HostMesh, per_host: int) -> None:
+        self._hosts = hosts
+        #: processes per host (ProcMesh reads it: the relay tree goes by host)
+        self.per_host = per_host
+
+    def __repr__(self) -> str:
+        return repr(self._hosts)
+
+    async def start_proc(
+        self,
+        rt: Runtime,
+        scheme: str,
+        host: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        heartbeat_period: float = 0.5,
+        heartbeat_timeout: float = 5.0,
+        slot: int = 0,
+    ) -> ProcHandle:
+        index = slot // self.per_host
+        agent = self._hosts._agents.slice(hosts=index)
+        where = self._hosts._infos[index]["host"]
+        ready = ReadyWaiter(rt)
+        try:
+            pid = await agent.start_proc.call_one(
+                ready.token, dict(env or {}), heartbeat_period, heartbeat_timeout
+            )
+            process = RemoteProcess(agent, pid, where)
+            with anyio.move_on_after(STARTUP_TIMEOUT):
+                async with anyio.create_task_group() as tg:
+
+                    async def exited() -> None:
+                        await process.wait()
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(exited)
+                    await ready.wait()
+                    tg.cancel_scope.cancel()
+        finally:
+            ready.cancel()
+        if ready.msg is None:
+            if process.returncode is None:
+                process.kill()
+                why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
+            else:
+                why = process.lost or f"exited ({process.returncode})"
+            raise SupervisionError(f"worker process {pid} on {where} {why} while starting")
+        return ProcHandle(ready.msg.addr, ready.msg.pid, process, local=False)
+
+
+def _agent_address(addr: str) -> str:
+    if addr.startswith("stream+tcp://"):
+        return addr
+    if addr.startswith("tcp://"):
+        return "stream+" + addr
+    raise ValueError(f"a host agent's address is tcp://ADDR:PORT, not {addr!r}")
+
+
+async def attach(
+    addrs: Sequence[str], *, key_file: str | None = None, timeout: float = 30.0
+) -> HostMesh:
+    """The machines whose ``amesh agent`` listens at ``addrs`` (``tcp://ADDR:PORT``),
+    as a :class:`HostMesh`.
+
+    Args:
+        addrs: one agent address per host.
+        key_file: the key the agents were started with (``amesh keygen``); this
+            process adopts it as its job key. Without it, the job key must already
+            be that key (``AMESH_KEY_FILE``).
+        timeout: how long to wait for every agent to answer.
+
+    Raises:
+        RuntimeError: this controller listens where other machines cannot reach it,
+            or already uses another key.
+        SupervisionError: an agent cannot be reached or refused us.
+        TimeoutError: an agent did not answer in time.
+    """
+    if not addrs:
+        raise ValueError("attach needs at least one agent address")
+    agents = [_agent_address(a) for a in addrs]
+    if key_file is not None:
+        adopt_key_file(key_file)
+    rt = current_runtime()
+    if not rt.address.startswith("stream+tcp://"):
+        raise RuntimeError(
+            f"this controller listens at {rt.address}, which other machines cannot reach: "
+            "start it with AMESH_TRANSPORT=tcp and AMESH_HOST=<its address on their network>"
+        )
+    mesh = ActorMesh(
+        "hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": len(agents)}), agents, 0
+    )
+    infos = list((await mesh.info.call(timeout=timeout)).values())
+    _lease(rt, agents)
+    return HostMesh(mesh, infos)

@@ -1,0 +1,352 @@
+"""Host agents: ``amesh keygen``, ``amesh agent``, ``amesh.attach`` and meshes over them.
+
+The agents run as real processes listening on loopback tcp; each stands for a machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+import amesh
+from amesh import SupervisionError
+from amesh._runtime._runtime import open_runtime
+from amesh._transport import StreamTransport
+from amesh._transport._auth import job_key, read_key_file
+
+from .actors import Counter
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the agent is one program; both backends run its workers alike
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def shared_key(tmp_path: Path) -> Path:
+    """A key file holding this test process's own job key (as if from keygen)."""
+    path = tmp_path / "key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, job_key().hex().encode() + b"\n")
+    os.close(fd)
+    return path
+
+
+class Agent:
+    """An ``amesh agent`` process on loopback; a thread collects what it logs."""
+
+    def __init__(self, key: Path, grace: float = 5.0) -> None:
+        self.port = free_port()
+        self.addr = f"tcp://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "amesh", "agent", "--listen", self.addr]
+        cmd += ["--key-file", str(key), "--grace", str(grace)]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self._listening = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if "listening on" in line:
+                self._listening.set()
+        self._listening.set()  # it exited
+
+    async def listening(self) -> None:
+        await anyio.to_thread.run_sync(self._listening.wait)
+        assert self.proc.poll() is None, f"the agent exited: {''.join(self.log)}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(30)
+        self._reader.join(10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return rc
+
+
+@asynccontextmanager
+async def agents(key: Path, n: int, grace: float = 5.0) -> AsyncIterator[list[Agent]]:
+    started = [Agent(key, grace) for _ in range(n)]
+    try:
+        for a in started:
+            await a.listening()
+        yield started
+    finally:
+        for a in started:
+            a.stop()
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, its parent, ... up to init."""
+    out = []
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        out.append(pid)
+    return out
+
+
+async def gone(pid: int) -> None:
+    """Wait until process ``pid`` (not our child) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def tcp_runtime() -> open_runtime:
+    return open_runtime(lambda: StreamTransport("tcp"))
+
+
+def test_keygen_writes_a_private_key_once(tmp_path: Path) -> None:
+    path = tmp_path / "job.key"
+    run: Callable[..., subprocess.CompletedProcess[str]] = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "amesh", *a], capture_output=True, text=True, timeout=60
+    )
+    assert run("keygen", str(path)).returncode == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(read_key_file(str(path))) == 32
+    again = run("keygen", str(path))
+    assert again.returncode == 1 and "exists" in again.stderr
+    path.chmod(0o644)
+    with pytest.raises(PermissionError, match="others may read it"):
+        read_key_file(str(path))
+    refused = run("agent", "--listen", "tcp://127.0.0.1:1", "--key-file", str(path))
+    assert refused.returncode == 2 and "chmod 600" in refused.stderr
+    bad = run("agent", "--listen", "ipc:///tmp/x", "--key-file", str(path))
+    assert bad.returncode == 2 and "tcp://ADDR:PORT" in bad.stderr
+
+
+async def test_a_mesh_over_two_agents(tmp_path: Path) -> None:
+    """Processes start on the agent of their host (by slot), run actors, answer every
+    adverb; one killed is reported with its exit status; at the end none is left."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 2) as (a1, a2), tcp_runtime():
+            hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+            assert hosts.sizes == {"hosts": 2}
+            assert [h["pid"] for h in hosts.hosts] == [a1.proc.pid, a2.proc.pid]
+            failures: list[amesh.Failure] = []
+            seen = anyio.Event()
+
+            def supervise(f: amesh.Failure) -> bool:
+                failures.append(f)
+                seen.set()
+                return True
+
+            async with hosts.spawn_procs({"gpus": 2}, supervise=supervise) as procs:
+                assert procs.sizes == {"hosts": 2, "gpus": 2}
+                for slot, pid in enumerate(procs.pids):
+                    agent = (a1, a2)[slot // 2]
+                    assert agent.proc.pid in ancestors(pid)
+                c = await procs.spawn("c", Counter)
+                assert list((await c.incr.call()).values()) == [1, 1, 1, 1]
+                await c.incr.broadcast(10)
+                assert await c.slice(hosts=1, gpus=0).get.call_one() == 11
+                victim = procs.pids[3]
+                os.kill(victim, signal.SIGKILL)
+                await seen.wait()
+                with pytest.raises(SupervisionError, match="SIGKILL"):
+                    await c.slice(hosts=1, gpus=1).get.call_one()
+                assert await c.slice(hosts=0, gpus=1).get.call_one() == 11
+                pids = procs.pids
+            assert failures[0].rank == 3 and failures[0].pid == victim
+            for pid in pids:
+                with anyio.fail_after(10):
+                    await gone(pid)
+        assert a1.proc.returncode == 0 and a2.proc.returncode == 0
+
+
+async def test_losing_an_agent_fails_the_ranks_of_its_host(tmp_path: Path) -> None:
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 2) as (a1, a2), tcp_runtime():
+            hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+            seen = anyio.Event()
+            failures: list[amesh.Failure] = []
+
+            def supervise(f: amesh.Failure) -> bool:
+                failures.append(f)
+                if len(failures) == 2:
+                    seen.set()
+                return True
+
+            async with hosts.spawn_procs({"gpus": 2}, supervise=supervise) as procs:
+                c = await procs.spawn("c", Counter)
+                await c.incr.call()
+                a2.proc.kill()
+                await seen.wait()
+                assert sorted(f.rank for f in failures) == [2, 3]
+                for f in failures:  # named by host and cause
+                    assert "host agent at 127.0.0.1" in f.cause, f
+                with pytest.raises(SupervisionError):
+                    await c.slice(hosts=1).get.call()
+                assert list((await c.slice(hosts=0).get.call()).values()) == [1, 1]
+                lost = procs.pids[2:]
+            for pid in lost:  # they died with their agent
+                with anyio.fail_after(10):
+                    await gone(pid)
+
+
+_CONTROLLER = """
+import os, sys, amesh
+
+async def main():
+    hosts = await amesh.attach([sys.argv[1]], key_file=sys.argv[2])
+    procs = await hosts.spawn_procs({"gpus": 2})
+    print(*procs.pids, flush=True)
+    sys.stdin.read()  # until killed
+
+amesh.run(main)
+"""
+
+
+async def test_workers_do_not_outlive_their_controller(tmp_path: Path) -> None:
+    """A controller SIGKILLed: its agent stops its workers after the grace period, and
+    exits cleanly on SIGTERM."""
+    key = tmp_path / "key"
+    made = await anyio.run_process([sys.executable, "-m", "amesh", "keygen", str(key)])
+    assert made.returncode == 0
+    with anyio.fail_after(120):
+        async with agents(key, 1, grace=0.5) as (agent,):
+            env = {**os.environ, "AMESH_TRANSPORT": "tcp"}
+            ctl = subprocess.Popen(  # noqa: ASYNC220 (its stdout is read in a thread)
+                [sys.executable, "-c", _CONTROLLER, agent.addr, str(key)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            try:
+                assert ctl.stdout is not None
+                line = await anyio.to_thread.run_sync(ctl.stdout.readline)
+                pids = [int(p) for p in line.split()]
+                assert len(pids) == 2
+                for pid in pids:
+                    assert agent.proc.pid in ancestors(pid)
+                ctl.kill()
+                for pid in pids:
+                    await gone(pid)
+            finally:
+                ctl.kill()
+                ctl.wait(10)
+                assert ctl.stdin is not None and ctl.stdout is not None
+                ctl.stdin.close()
+                ctl.stdout.close()
+            assert agent.stop() == 0
+        assert any("is gone" in line for line in agent.log), agent.log
+
+
+_STRANGER = """
+import sys, anyio, amesh
+from amesh._runtime._runtime import open_runtime
+from amesh._transport import StreamTransport
+
+async def main():
+    async with open_runtime(lambda: StreamTransport("tcp")):
+        try:
+            await amesh.attach([sys.argv[1]], timeout=20)
+        except amesh.SupervisionError as exc:
+            print("refused:", exc)
+
+anyio.run(main)
+"""
+
+
+async def test_an_agent_refuses_a_controller_without_the_key(tmp_path: Path) -> None:
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 1) as (agent,), tcp_runtime():
+            out = await anyio.run_process(
+                [sys.executable, "-c", _STRANGER, agent.addr], check=False
+            )
+            assert b"refused:" in out.stdout, out
+            hosts = await amesh.attach([agent.addr])  # we hold the key: admitted
+            assert hosts.hosts[0]["auth_refused"] >= 1
+            assert hosts.hosts[0]["workers"] == []
+
+
+async def test_one_frame_per_host(tmp_path: Path) -> None:
+    """A call or broadcast from the controller to 2 hosts x 3 processes sends one frame
+    per host: the relay tree's first level is hosts; each host's first process passes
+    it on to the others there, and gathers their replies."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 2) as (a1, a2), tcp_runtime() as rt:
+            hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+            async with hosts.spawn_procs({"gpus": 3}) as procs:
+                c = await procs.spawn("c", Counter)
+                before = rt.statistics().frames_sent
+                assert list((await c.incr.call()).values()) == [1] * 6
+                assert rt.statistics().frames_sent - before == 2
+                before = rt.statistics().frames_sent
+                await c.incr.broadcast()
+                assert rt.statistics().frames_sent - before == 2
+                assert list((await c.get.call()).values()) == [2] * 6
+
+
+async def test_a_process_group_across_hosts(tmp_path: Path) -> None:
+    """amesh.torch over two agents: one gloo job, ranks in host-major order, an
+    all-reduce across the hosts."""
+    from amesh.torch import init_process_group
+
+    from .torch_actors import DistWorker
+
+    key = shared_key(tmp_path)
+    with anyio.fail_after(180):
+        async with agents(key, 2) as (a1, a2), tcp_runtime():
+            hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+            async with hosts.spawn_procs({"gpus": 2}) as procs:
+                group = await init_process_group(procs, backend="gloo", timeout=60)
+                assert group.master_addr == "127.0.0.1"  # both "hosts" are this machine
+                w = await procs.spawn("w", DistWorker)
+                assert [g[:2] for g in (await w.group.call()).values()] == [
+                    (r, 4) for r in range(4)
+                ]
+                sums = await w.all_reduce.call(1.0)
+                assert list(sums.values()) == [4.0] * 4
+                await group.destroy()
+
+
+async def test_a_stalled_controller_keeps_its_workers(tmp_path: Path) -> None:
+    """The controller's leases come from a thread that never takes the GIL: its event
+    loop blocked for several grace periods (a long synchronous step, a debugger stop)
+    loses no worker."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 1, grace=0.5) as (agent,), tcp_runtime():
+            hosts = await amesh.attach([agent.addr], key_file=str(key))
+            async with hosts.spawn_procs({"gpus": 2}) as procs:
+                c = await procs.spawn("c", Counter)
+                pids = procs.pids
+                time.sleep(3)  # noqa: ASYNC251  (the stall under test: 6 grace periods)
+                assert list((await c.incr.call()).values()) == [1, 1]
+                assert procs.pids == pids
+        assert not any("is gone" in line for line in agent.log), agent.log
