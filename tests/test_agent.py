@@ -54,9 +54,9 @@ def shared_key(tmp_path: Path) -> Path:
 class Agent:
     """An ``amesh agent`` process on loopback; a thread collects what it logs."""
 
-    def __init__(self, key: Path, grace: float = 5.0) -> None:
+    def __init__(self, key: Path, grace: float = 5.0, scheme: str = "tcp") -> None:
         self.port = free_port()
-        self.addr = f"tcp://127.0.0.1:{self.port}"
+        self.addr = f"{scheme}://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "amesh", "agent", "--listen", self.addr]
         cmd += ["--key-file", str(key), "--grace", str(grace)]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -88,8 +88,10 @@ class Agent:
 
 
 @asynccontextmanager
-async def agents(key: Path, n: int, grace: float = 5.0) -> AsyncIterator[list[Agent]]:
-    started = [Agent(key, grace) for _ in range(n)]
+async def agents(
+    key: Path, n: int, grace: float = 5.0, scheme: str = "tcp"
+) -> AsyncIterator[list[Agent]]:
+    started = [Agent(key, grace, scheme) for _ in range(n)]
     try:
         for a in started:
             await a.listening()
@@ -205,6 +207,7 @@ async def test_losing_an_agent_fails_the_ranks_of_its_host(tmp_path: Path) -> No
                 await seen.wait()
                 assert sorted(f.rank for f in failures) == [2, 3]
                 for f in failures:  # named by host and cause
+                    assert f.host == "127.0.0.1", f
                     assert "host agent at 127.0.0.1" in f.cause, f
                 with pytest.raises(SupervisionError):
                     await c.slice(hosts=1).get.call()
@@ -350,3 +353,31 @@ async def test_a_stalled_controller_keeps_its_workers(tmp_path: Path) -> None:
                 assert list((await c.incr.call()).values()) == [1, 1]
                 assert procs.pids == pids
         assert not any("is gone" in line for line in agent.log), agent.log
+
+
+async def test_hosts_over_tls(tmp_path: Path) -> None:
+    """Agents, the controller and every worker on tls+tcp (NNG with TLS, certificates of
+    the job): the mesh works, every worker listens on tls+tcp, a death is reported."""
+    from amesh._transport import open_transport
+
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with (
+            agents(key, 2, scheme="tls+tcp") as (a1, a2),
+            open_runtime(lambda: open_transport("tls+tcp")),
+        ):
+            hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+            assert all(h["addr"].startswith("tls+tcp://") for h in hosts.hosts)
+            seen = anyio.Event()
+            async with hosts.spawn_procs(
+                {"gpus": 2}, supervise=lambda f: seen.set() or True
+            ) as procs:
+                c = await procs.spawn("c", Counter)
+                assert list((await c.incr.call()).values()) == [1] * 4
+                stats = (await procs.statistics()).values()
+                assert all(s["address"].startswith("tls+tcp://") for s in stats)
+                os.kill(procs.pids[0], signal.SIGKILL)
+                await seen.wait()
+                with pytest.raises(SupervisionError, match="SIGKILL"):
+                    await c.slice(hosts=0, gpus=0).get.call_one()
+                assert await c.slice(hosts=1, gpus=1).get.call_one() == 1

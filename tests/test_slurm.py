@@ -18,6 +18,7 @@ from amesh._transport import StreamTransport
 
 from .actors import Counter
 from .cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
+from .test_agent import gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600), pytest.mark.anyio]
 
@@ -70,18 +71,6 @@ async def test_a_mesh_on_four_slurm_nodes(
         if job.job_id is not None:
             job.cancel()
     assert os.environ.get("SLURM_CONF") == slurm_cluster.slurm_conf
-
-
-async def gone(pid: int) -> None:
-    """Wait until process ``pid`` (not our child) has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 async def test_a_cut_off_host(

@@ -21,7 +21,11 @@ def _parser() -> argparse.ArgumentParser:
         "agent", help="run a host agent: start workers for controllers that hold the key"
     )
     agent.add_argument(
-        "--listen", required=True, metavar="tcp://ADDR:PORT", help="where controllers reach it"
+        "--listen",
+        required=True,
+        metavar="tcp://ADDR:PORT",
+        help="where controllers reach it (tls+tcp://ADDR:PORT: NNG with TLS, certificates "
+        "of the job made from its key)",
     )
     agent.add_argument("--key-file", required=True, metavar="PATH", help="see `amesh keygen`")
     agent.add_argument(

@@ -42,7 +42,7 @@ from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
 from .._runtime._runtime import Runtime, current_runtime, open_runtime
-from .._transport import StreamTransport
+from .._transport import StreamTransport, Transport
 from .._transport._auth import adopt_key, read_key_file
 from ._local import launch_worker
 
@@ -110,10 +110,12 @@ class HostAgent(Actor):
         child_env = dict(os.environ)
         child_env.update(env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
+        # the worker listens the way its controller does: tcp streams, or NNG over TLS
+        scheme = "tls+tcp" if owner.startswith("tls+tcp://") else "tcp"
         process, pid = await launch_worker(
             rt,
             token,
-            "tcp",
+            scheme,
             self.host,
             child_env,
             (heartbeat_period, heartbeat_timeout),
@@ -197,19 +199,41 @@ class HostAgent(Actor):
                 child.process.kill()
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """``(host, port)`` of ``tcp://ADDR:PORT`` (IPv6 in brackets; port 0: any).
+def parse_listen(listen: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of ``tcp://ADDR:PORT`` or ``tls+tcp://ADDR:PORT`` (IPv6
+    in brackets; port 0: any).
 
     Raises:
         ValueError: not such an address.
     """
-    rest = listen.removeprefix("stream+")
-    if not rest.startswith("tcp://"):
-        raise ValueError(f"an agent listens on tcp://ADDR:PORT, not {listen!r}")
-    host, sep, port = rest.removeprefix("tcp://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"an agent listens on tcp://ADDR:PORT, not {listen!r}")
-    return host.strip("[]"), int(port)
+    scheme, sep, rest = listen.removeprefix("stream+").partition("://")
+    host, colon, port = rest.rpartition(":")
+    if (
+        scheme not in ("tcp", "tls+tcp")
+        or not sep
+        or not colon
+        or not host
+        or not port.isdigit()
+        or not 0 <= int(port) < 65536
+    ):
+        raise ValueError(
+            f"an agent listens on tcp://ADDR:PORT or tls+tcp://ADDR:PORT, not {listen!r}"
+        )
+    return scheme, host.strip("[]"), int(port)
+
+
+def _listener(scheme: str, host: str, port: int) -> Transport:
+    """The agent's transport: event-loop streams for tcp, NNG with TLS for tls+tcp."""
+    if scheme == "tcp":
+        return StreamTransport("tcp", host=host, port=port)
+    try:
+        from .._transport._ext import ExtTransport
+
+        return ExtTransport(scheme, host=host, port=port)
+    except ImportError:
+        from .._transport._nng import NngTransport
+
+        return NngTransport(scheme, host=host, port=port)
 
 
 def address_towards(peer: str) -> str:
@@ -251,11 +275,11 @@ async def serve_agent(
 
     ``task_status.started`` gets the agent's address once it listens.
     """
-    host, port = parse_listen(listen)
+    scheme, host, port = parse_listen(listen)
     if route_to:
         host = address_towards(route_to)
     adopt_key(read_key_file(key_file))
-    async with open_runtime(lambda: StreamTransport("tcp", host=host, port=port)) as rt:
+    async with open_runtime(lambda: _listener(scheme, host, port)) as rt:
         agent = HostAgent(host, grace)
         inst = ActorInstance(rt, AGENT_ACTOR, AGENT_ACTOR, agent, handlers_of(HostAgent), "", 0)
         rt.add_actor(inst)

@@ -32,7 +32,7 @@ from .._runtime._runtime import Runtime
 from .._transport._auth import job_key
 
 if TYPE_CHECKING:
-    from ._zygote import Zygote
+    from ._zygote import Zygote, ZygoteProcess
 
 __all__ = ["LocalHost", "ReadyWaiter", "launch_worker", "this_host"]
 
@@ -142,43 +142,40 @@ async def launch_worker(
 ) -> tuple[ProcessLike, int]:
     """Start a worker on this machine (from ``rt``'s zygote, else exec'd) that reports
     Ready with ``token`` to ``parent`` (``rt`` unless given: a host agent starts
-    workers for a controller elsewhere) and heartbeats to it; ``(process, pid)``."""
+    workers for a controller elsewhere) and heartbeats to it every ``beats[0]`` seconds
+    (its supervisor's timeout: ``beats[1]``); ``(process, pid)``."""
+
+    def boot(parent_pid: int, pdeathsig: bool) -> Bootstrap:
+        return Bootstrap(
+            parent or rt.address,
+            parent_pid,
+            token,
+            scheme,
+            host,
+            list(sys.path),
+            beats[0],
+            pdeathsig,
+            key=job_key(),
+            heartbeat_timeout=beats[1],
+        )
+
     zygote = await _zygote_for(rt, child_env)
     if zygote is not None:
-        process, pid = await _fork_worker(zygote, rt, token, scheme, host, child_env, beats, parent)
+        # The zygote forks from its only thread, which lives as long as it does.
+        process = await _fork_worker(zygote, boot(zygote.pid, True), child_env)
         if process is not None:
-            return process, pid
-    return await _exec_worker(rt, token, scheme, host, child_env, beats, parent)
-
-
-async def _exec_worker(
-    rt: Runtime,
-    token: str,
-    scheme: str,
-    host: str,
-    child_env: dict[str, str],
-    beats: tuple[float, float],
-    parent: str = "",
-) -> tuple[ProcessLike, int]:
-    """``python -m amesh._worker``, a child of this process."""
+            return process, process.pid
     # asyncio (and uvloop) fork from the event loop's own thread; trio forks from a
     # cached worker thread that exits when idle, which would fire the signal.
     pdeathsig = (
         sniffio.current_async_library() == "asyncio"
         and threading.current_thread() is threading.main_thread()
     )
-    boot = Bootstrap(
-        parent or rt.address,
-        os.getpid(),
-        token,
-        scheme,
-        host,
-        list(sys.path),
-        beats[0],
-        pdeathsig,
-        key=job_key(),
-        heartbeat_timeout=beats[1],
-    )
+    return await _exec_worker(boot(os.getpid(), pdeathsig), child_env)
+
+
+async def _exec_worker(boot: Bootstrap, child_env: dict[str, str]) -> tuple[ProcessLike, int]:
+    """``python -m amesh._worker``, a child of this process."""
     process = await anyio.open_process(
         [sys.executable, "-m", "amesh._worker"],
         stdin=subprocess.PIPE,
@@ -197,38 +194,16 @@ async def _exec_worker(
 
 
 async def _fork_worker(
-    zygote: Zygote,
-    rt: Runtime,
-    token: str,
-    scheme: str,
-    host: str,
-    child_env: dict[str, str],
-    beats: tuple[float, float],
-    parent: str = "",
-) -> tuple[ProcessLike | None, int]:
-    """A worker forked by ``zygote``; ``(None, 0)`` when it cannot (exec one instead)."""
+    zygote: Zygote, boot: Bootstrap, child_env: dict[str, str]
+) -> ZygoteProcess | None:
+    """A worker forked by ``zygote``; None when it cannot (exec one instead)."""
     from ._zygote import ZygoteError
 
-    # The zygote forks from its only thread, which lives as long as it does.
-    boot = Bootstrap(
-        parent or rt.address,
-        zygote.pid,
-        token,
-        scheme,
-        host,
-        list(sys.path),
-        beats[0],
-        True,
-        key=job_key(),
-        heartbeat_timeout=beats[1],
-    )
     try:
-        cwd = os.getcwd()
-        process = await zygote.spawn(child_env, cwd, boot)
+        return await zygote.spawn(child_env, os.getcwd(), boot)
     except (ZygoteError, OSError) as exc:
         log.warning("starting a worker without the zygote: %s", exc)
-        return None, 0
-    return process, process.pid
+        return None
 
 
 class _ZygoteSlot:

@@ -265,15 +265,17 @@ class _Placement:
             else:
                 why = process.lost or f"exited ({process.returncode})"
             raise SupervisionError(f"worker process {pid} on {where} {why} while starting")
-        return ProcHandle(ready.msg.addr, ready.msg.pid, process, local=False)
+        return ProcHandle(ready.msg.addr, ready.msg.pid, process, local=False, host=where)
 
 
 def _agent_address(addr: str) -> str:
-    if addr.startswith("stream+tcp://"):
+    if addr.startswith(("stream+tcp://", "tls+tcp://")):
         return addr
     if addr.startswith("tcp://"):
         return "stream+" + addr
-    raise ValueError(f"a host agent's address is tcp://ADDR:PORT, not {addr!r}")
+    raise ValueError(
+        f"a host agent's address is tcp://ADDR:PORT or tls+tcp://ADDR:PORT, not {addr!r}"
+    )
 
 
 async def attach(
@@ -301,10 +303,11 @@ async def attach(
     if key_file is not None:
         adopt_key_file(key_file)
     rt = current_runtime()
-    if not rt.address.startswith("stream+tcp://"):
+    if not rt.address.startswith(("stream+tcp://", "tls+tcp://")):
         raise RuntimeError(
             f"this controller listens at {rt.address}, which other machines cannot reach: "
-            "start it with AMESH_TRANSPORT=tcp and AMESH_HOST=<its address on their network>"
+            "start it with AMESH_TRANSPORT=tcp (or tls+tcp) and AMESH_HOST=<its address on "
+            "their network>"
         )
     mesh = ActorMesh(
         "hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": len(agents)}), agents, 0

@@ -133,19 +133,22 @@ class SlurmJob:
                 the job running.
         """
         rt = current_runtime()
-        if not rt.address.startswith("stream+tcp://"):
+        scheme, _, rest = rt.address.partition("://")
+        if scheme not in ("stream+tcp", "tls+tcp"):
             raise RuntimeError(
                 f"this controller listens at {rt.address}, which the nodes cannot reach: "
-                "start it with AMESH_TRANSPORT=tcp and AMESH_HOST=<its address on their network>"
+                "start it with AMESH_TRANSPORT=tcp (or tls+tcp) and AMESH_HOST=<its address "
+                "on their network>"
             )
-        controller = rt.address.removeprefix("stream+tcp://").rsplit(":", 1)[0].strip("[]")
+        controller = rest.rsplit(":", 1)[0].strip("[]")
         record = self._record()
         if record is not None and int(record.get("nodes", 0)) == self.nodes:
             self.job_id = record["job_id"]
             if self.state() not in _LIVE:
                 self.job_id = None
         if self.job_id is None:
-            await anyio.to_thread.run_sync(self._submit, controller)
+            listen = "tls+tcp" if scheme == "tls+tcp" else "tcp"
+            await anyio.to_thread.run_sync(self._submit, controller, listen)
         elif not self.persistent:
             atexit.register(self._cancel_quietly)
         addrs = await self._agents()
@@ -153,7 +156,7 @@ class SlurmJob:
         assert record is not None
         return await attach(addrs, key_file=record["key_file"])
 
-    def _submit(self, controller: str) -> None:
+    def _submit(self, controller: str, listen: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
         for old in self.dir.glob("*.addr"):
@@ -164,7 +167,7 @@ class SlurmJob:
             with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 f.write(job_key().hex() + "\n")
         read_key_file(key)  # fail here, not on every node
-        agent = [self.python, "-m", "amesh", "agent", "--listen", "tcp://0.0.0.0:0"]
+        agent = [self.python, "-m", "amesh", "agent", "--listen", f"{listen}://0.0.0.0:0"]
         agent += ["--route-to", controller, "--key-file", key]
         announce = f"{self.dir}/$SLURMD_NODENAME.addr"
         script = self.dir / "job.sh"

@@ -59,11 +59,15 @@ class ProcHandle:
     """One worker process: its address, pid and OS handle (``local``: on this
     machine, so its pid means something here)."""
 
-    def __init__(self, addr: str, pid: int, process: ProcessLike, local: bool = True) -> None:
+    def __init__(
+        self, addr: str, pid: int, process: ProcessLike, local: bool = True, host: str = ""
+    ) -> None:
         self.addr = addr
         self.pid = pid
         self.process = process
         self.local = local
+        #: the machine it runs on, for failures ("": this one)
+        self.host = host
         self.expected_exit = False
         #: a failure of this process was already reported
         self.failed = False

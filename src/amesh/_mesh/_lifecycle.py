@@ -94,6 +94,7 @@ def failure_of(label: str, slot: int, handle: ProcHandle, cause: str) -> Failure
         cause=cause,
         exit_code=rc if rc is not None and rc >= 0 else None,
         signal=-rc if rc is not None and rc < 0 else None,
+        **({"host": handle.host} if handle.host else {}),
     )
 
 
@@ -126,7 +127,7 @@ class Lifecycle:
         # workers listen the way the controller does ("stream+tcp", "abstract", ...)
         scheme, rest = rt.address.split("://", 1)
         host = default_transport()[1]
-        if scheme.removeprefix("stream+") == "tcp":
+        if scheme.removeprefix("stream+") in ("tcp", "tls+tcp"):
             host = rest.rsplit(":", 1)[0].strip("[]")
         return scheme, host
 

@@ -26,11 +26,13 @@ import logging
 import math
 import os
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 import msgspec
+import sniffio
 from anyio.abc import TaskGroup
 
 from .. import _codec, _wire
@@ -123,7 +125,10 @@ class Runtime:
         self.relays = Relays(self.address, self.calls, self.links)
         self.peers = Peers(dead, self.calls, self.router, self.links)
         self.dispatch = Dispatch(self.links, self.start_soon)
-        transport.set_lost_handler(self.peers.link_lost)
+        #: broken links reported outside any task (a loop callback), for _serve_lost
+        self._lost: deque[tuple[str, str]] = deque()
+        self._lost_wake: Any = None
+        transport.set_lost_handler(self._link_lost)
         # shared containers, by the names the rest of amesh uses
         self.pending = self.calls.pending
         self.inflight = self.calls.inflight
@@ -158,6 +163,28 @@ class Runtime:
 
     def next_id(self) -> int:
         return self.calls.next_id()
+
+    def _link_lost(self, addr: str, why: str) -> None:
+        """The transport says the link to ``addr`` broke. Handled at once inside a
+        task; from a bare loop callback (an NNG pipe event), in :meth:`_serve_lost`,
+        since what it starts needs a task's context."""
+        try:
+            sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            self._lost.append((addr, why))
+            if self._lost_wake is not None:
+                self._lost_wake.set()
+            return
+        self.peers.link_lost(addr, why)
+
+    async def _serve_lost(self) -> None:
+        while True:
+            while self._lost:
+                self.peers.link_lost(*self._lost.popleft())
+            self._lost_wake = self.new_event()
+            if not self._lost:
+                await self._lost_wake.wait()
+            self._lost_wake = None
 
     def statistics(self) -> RuntimeStats:
         t = self.transport.statistics()
@@ -456,6 +483,7 @@ class open_runtime:
         await tg.__aenter__()
         rt = Runtime(transport, tg)
         tg.start_soon(transport.serve, rt.deliver)
+        tg.start_soon(rt._serve_lost)
         rt.body = anyio.CancelScope()
         rt.body.__enter__()
         self._tg, self._rt = tg, rt

@@ -54,10 +54,13 @@ def open_transport(
 
     Args:
         scheme: ``"abstract"`` (Linux abstract sockets, no files), ``"ipc"``
-            (socket files), ``"tcp"`` or ``"auto"`` (abstract on Linux, else ipc).
-            A ``stream+`` prefix (the scheme of a :class:`StreamTransport` address)
-            asks for a :class:`StreamTransport` unless ``reach`` says otherwise.
-        host: the interface for ``tcp``; loopback unless you mean otherwise.
+            (socket files), ``"tcp"``, ``"tls+tcp"`` (tcp with TLS, both ends showing a
+            certificate of the job: an NNG transport, whatever :func:`default_impl`
+            says) or ``"auto"`` (abstract on Linux, else ipc). A ``stream+`` prefix
+            (the scheme of a :class:`StreamTransport` address) asks for a
+            :class:`StreamTransport` unless ``reach`` says otherwise.
+        host: the interface for ``tcp`` and ``tls+tcp``; loopback unless you mean
+            otherwise.
         reach: an address the transport must be able to send to (a worker's parent):
             its kind decides between :class:`StreamTransport` and the NNG transports,
             whatever :func:`default_impl` says; ``None`` leaves it to the scheme and
@@ -71,6 +74,8 @@ def open_transport(
             impl = _nng_impl()
     elif is_stream_address(scheme):
         impl = "stream"
+    elif scheme == "tls+tcp" and impl == "stream":
+        impl = _nng_impl()  # only NNG speaks TLS here
     scheme = scheme.removeprefix("stream+")
     if impl == "stream":
         return StreamTransport(scheme, host=host)

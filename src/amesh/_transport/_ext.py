@@ -14,7 +14,8 @@ Pull0 inbox, one Push0 per peer). The extension drives the same NNG that pynng l
 
 Every pipe proves itself with a hello before anything it sends is delivered (the
 extension tells the pipe of each message), and a link that breaks is reported: see
-:mod:`._nng_pipes`.
+:mod:`._nng_pipes`. Over ``tls+tcp`` NNG's TLS (Mbed TLS, on NNG's threads) sits below
+all of this; the extension sees the same messages.
 
 Frames are delivered as memoryviews of NNG messages (no copy; writable, since each
 message belongs to its frame alone); a view keeps its message alive, so a frame that
@@ -64,18 +65,24 @@ class ExtTransport:
     """See :class:`amesh._transport.Transport`.
 
     Args:
-        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto``.
-        host: the address to listen on for tcp.
+        scheme: ``abstract``, ``ipc``, ``tcp``, ``tls+tcp`` (encrypted, and both ends
+            show a certificate of the job: see :mod:`._tls`) or ``auto``.
+        host: the address to listen on for tcp and tls+tcp.
         max_frame: the largest frame accepted, in bytes.
     """
 
     def __init__(
-        self, scheme: str = "auto", *, host: str = "127.0.0.1", max_frame: int = DEFAULT_MAX_FRAME
+        self,
+        scheme: str = "auto",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame: int = DEFAULT_MAX_FRAME,
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER)
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port)
         self._address = self._box.address
         self._links = NngLinks(self._address)
         try:

@@ -23,7 +23,7 @@ import pynng
 from ._auth import HANDSHAKE_TIMEOUT, hello
 from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame, join
-from ._nng_pipes import Inbox, NngLink, fresh_address, notify_closing
+from ._nng_pipes import Inbox, NngLink, fresh_address, notify_closing, tls_dialer_config
 
 __all__ = ["Inbox", "NngBeat", "NngLinks", "NngTransport", "notify_closing", "serve_with_sweeps"]
 
@@ -66,7 +66,7 @@ class NngLinks:
         """Give up the links that never connected."""
         now = time.monotonic()
         for link in [link for link in self.links.values() if link.overdue(now)]:
-            self.lost(link, "cannot connect (nobody listens there)")
+            self.lost(link, link.never_connected())
 
     def forget(self, addr: str) -> None:
         link = self.links.pop(addr, None)
@@ -109,18 +109,24 @@ class NngTransport:
     """See :class:`amesh._transport.Transport`.
 
     Args:
-        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto``.
-        host: the address to listen on for tcp.
+        scheme: ``abstract``, ``ipc``, ``tcp``, ``tls+tcp`` (encrypted, and both ends
+            show a certificate of the job: see :mod:`._tls`) or ``auto``.
+        host: the address to listen on for tcp and tls+tcp.
         max_frame: the largest frame accepted, in bytes.
     """
 
     def __init__(
-        self, scheme: str = "auto", *, host: str = "127.0.0.1", max_frame: int = DEFAULT_MAX_FRAME
+        self,
+        scheme: str = "auto",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame: int = DEFAULT_MAX_FRAME,
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER)
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port)
         self._address = self._box.address
         self._links = NngLinks(self._address)
 
@@ -246,7 +252,9 @@ class NngBeat:
         self._sock = self._open()
 
     def _open(self) -> pynng.Push0:
-        sock = pynng.Push0(send_buffer_size=4, send_timeout=1000)
+        sock = pynng.Push0(
+            send_buffer_size=4, send_timeout=1000, tls_config=tls_dialer_config(self._addr)
+        )
         try:
             sock.add_post_pipe_remove_cb(partial(self._on_pipe_gone, sock))
             sock.send(hello(self._addr, self._own), block=False)

@@ -14,6 +14,11 @@ frames on its own threads and has no handshake of ours, so (see :mod:`._auth`):
   valid hello: else it is dropped unread, the pipe is closed and counted. A pipe of
   another uid (ipc and abstract sockets) is closed before it starts, and one that has
   not said hello within :data:`~._auth.HANDSHAKE_TIMEOUT` is closed by :meth:`Inbox.sweep`.
+- ``tls+tcp`` (see :mod:`._tls`): the listener takes only TLS peers with a certificate
+  of the job, and a link takes only a listener with one; the hello then runs inside the
+  TLS session. NNG drops a failed handshake before it becomes a pipe, and tells no
+  one: the inbox counts those that NNG's listener statistics tell apart (see
+  :func:`._tls.handshake_failures`).
 
 Pipe events arrive on NNG's threads (pynng takes the GIL for them): they only add to
 and remove from containers, whose single operations the GIL makes atomic, or hand a
@@ -42,7 +47,7 @@ from ._auth import HANDSHAKE_TIMEOUT, HelloCheck, Refusals, Refused, hello
 from ._base import FIRST_CONNECT_WINDOW
 from ._paths import ensure_ipc_dir
 
-__all__ = ["Inbox", "NngLink", "fresh_address", "notify_closing", "poster"]
+__all__ = ["Inbox", "NngLink", "fresh_address", "notify_closing", "poster", "tls_dialer_config"]
 
 log = logging.getLogger("amesh.transport")
 
@@ -52,6 +57,9 @@ _SEND_BUFFER = 1024
 _GONE_KEPT = 1024
 _PEER_UID = b"ipc:peer-uid"
 _PEER_PID = b"ipc:peer-pid"
+#: How often serving looks at NNG's count of failed TLS handshakes (statistics() looks
+#: every time).
+_TLS_POLL = 2.0
 
 Post = Callable[[Callable[[], None]], None]
 
@@ -64,19 +72,28 @@ def notify_closing(fd: int) -> None:
         pass
 
 
-def fresh_address(scheme: str, host: str) -> str:
-    """A new NNG address of ``scheme`` that nobody listens on (tcp: port 0)."""
+def fresh_address(scheme: str, host: str, port: int = 0) -> str:
+    """A new NNG address of ``scheme`` that nobody listens on (tcp: ``port``, 0: any)."""
     name = f"amesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     if scheme == "abstract":
         return f"abstract://{name}"
     if scheme == "ipc":
         base = ensure_ipc_dir()
         return f"ipc://{os.path.join(base, name)}.sock"
-    if scheme == "tcp":
+    if scheme in ("tcp", "tls+tcp"):
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"tcp://{host}:0"
-    raise ValueError(f"unknown transport scheme {scheme!r} (abstract, ipc, tcp, auto)")
+        return f"{scheme}://{host}:{port}"
+    raise ValueError(f"unknown transport scheme {scheme!r} (abstract, ipc, tcp, tls+tcp, auto)")
+
+
+def tls_dialer_config(addr: str) -> Any:
+    """The TLS configuration of a dialer to ``addr``: None unless it is ``tls+tcp``."""
+    if not addr.startswith("tls+tcp://"):
+        return None
+    from . import _tls
+
+    return _tls.client_config()
 
 
 def poster() -> Post | None:
@@ -141,13 +158,16 @@ class Inbox:
     the proof each of its pipes gave (see the module's docstring).
 
     Args:
-        scheme: ``abstract``, ``ipc``, ``tcp`` or ``auto`` (abstract on Linux, else ipc).
-        host: the address to listen on for tcp.
+        scheme: ``abstract``, ``ipc``, ``tcp``, ``tls+tcp`` or ``auto`` (abstract on
+            Linux, else ipc).
+        host: the address to listen on for tcp and tls+tcp.
         max_frame: the largest frame NNG accepts.
         recv_buffer: NNG's receive buffer, in messages.
     """
 
-    def __init__(self, scheme: str, host: str, max_frame: int, recv_buffer: int) -> None:
+    def __init__(
+        self, scheme: str, host: str, max_frame: int, recv_buffer: int, port: int = 0
+    ) -> None:
         if scheme == "auto":
             scheme = "abstract" if sys.platform == "linux" else "ipc"
         #: ids of the pipes that said a good hello
@@ -159,19 +179,30 @@ class Inbox:
         self._gone: deque[int] = deque()
         #: refusals seen on NNG's threads, for the event loop to count: (who, why)
         self._early: deque[tuple[str, str]] = deque()
-        self.sock = pynng.Pull0(recv_max_size=max_frame, recv_buffer_size=recv_buffer)
+        #: tls+tcp: NNG's count of connections that failed their handshake, as last seen
+        self._tls_failed = 0
+        self._tls_polled = 0.0
+        tls = None
+        if scheme == "tls+tcp":
+            from . import _tls
+
+            tls = _tls.server_config()  # raises for bad AMESH_TLS_* settings
+        self.sock = pynng.Pull0(
+            recv_max_size=max_frame, recv_buffer_size=recv_buffer, tls_config=tls
+        )
         try:
             self.sock.add_pre_pipe_connect_cb(self._on_pipe)
             self.sock.add_post_pipe_remove_cb(self._on_pipe_gone)
-            listener = self.sock.listen(fresh_address(scheme, host))
+            listener = self.sock.listen(fresh_address(scheme, host, port))
         except BaseException:
             self.sock.close()
             raise
+        self._listener = listener if tls is not None else None
         addr: str = listener.url
-        if scheme == "tcp" and addr.endswith(":0"):
+        if scheme in ("tcp", "tls+tcp") and addr.endswith(":0"):
             # pynng's InAddr.port is in network byte order; its str() is right.
-            port = str(listener.local_address).rsplit(":", 1)[1]
-            addr = addr.rsplit(":", 1)[0] + f":{port}"
+            bound = str(listener.local_address).rsplit(":", 1)[1]
+            addr = addr.rsplit(":", 1)[0] + f":{bound}"
         self.address = addr
         self.refusals = Refusals(addr)
         self._check = HelloCheck(addr)
@@ -214,8 +245,10 @@ class Inbox:
     def sweep(self) -> None:
         """Close the pipes that were too slow to say hello (and log the refusals seen
         on NNG's threads)."""
-        self.refused()
+        self._count_early()
         now = time.monotonic()
+        if self._listener is not None and now >= self._tls_polled + _TLS_POLL:
+            self._count_tls()
         for pid, (pipe, deadline) in list(self._unproven.items()):
             if now >= deadline and self._unproven.pop(pid, None) is not None:
                 if pid not in self.proven:
@@ -226,13 +259,35 @@ class Inbox:
 
     def refused(self) -> int:
         """How many peers were refused so far."""
+        self._count_early()
+        if self._listener is not None:
+            self._count_tls()
+        return self.refusals.count
+
+    def _count_early(self) -> None:
         while self._early:
             who, why = self._early.popleft()
             self.refusals.refuse(who, why)
-        return self.refusals.count
+
+    def _count_tls(self) -> None:
+        """Count (and log) the connections that failed their TLS handshake since the
+        last look: NNG closes them before they are pipes, so nobody else sees them."""
+        from . import _tls
+
+        self._tls_polled = time.monotonic()
+        assert self._listener is not None
+        failed = _tls.handshake_failures(self._listener.listener, listener=True)
+        new, self._tls_failed = failed - self._tls_failed, failed
+        if new > 0:
+            self.refusals.count += new - 1
+            self.refusals.refuse(
+                f"{new} peers" if new > 1 else "a peer",
+                "the TLS handshake failed (no TLS, or no certificate of this job)",
+            )
 
     def close(self) -> None:
         """Close the socket and remove its socket file (ipc)."""
+        self._listener = None
         self.sock.close()
         self._unproven.clear()
         if self._ipc_path is not None:
@@ -252,7 +307,18 @@ class NngLink:
         on_lost: called with the link and why, once.
     """
 
-    __slots__ = ("_fd", "_on_lost", "_post", "addr", "connected", "deadline", "id", "lock", "sock")
+    __slots__ = (
+        "_fd",
+        "_on_lost",
+        "_post",
+        "_tls",
+        "addr",
+        "connected",
+        "deadline",
+        "id",
+        "lock",
+        "sock",
+    )
 
     def __init__(self, addr: str, own: str, on_lost: Callable[[NngLink, str], None]) -> None:
         self.addr = addr
@@ -263,8 +329,12 @@ class NngLink:
         self.deadline = time.monotonic() + FIRST_CONNECT_WINDOW
         self.lock: anyio.Lock | None = None
         self._fd = -1
+        self._tls = tls_dialer_config(addr)
         sock = pynng.Push0(
-            send_buffer_size=_SEND_BUFFER, reconnect_time_min=10, reconnect_time_max=200
+            send_buffer_size=_SEND_BUFFER,
+            reconnect_time_min=10,
+            reconnect_time_max=200,
+            tls_config=self._tls,
         )
         try:
             sock.add_post_pipe_connect_cb(self._on_pipe)
@@ -287,6 +357,19 @@ class NngLink:
     def overdue(self, now: float) -> bool:
         """Whether it never connected within its window."""
         return not self.connected and now >= self.deadline
+
+    def never_connected(self) -> str:
+        """Why an :meth:`overdue` link is given up, as far as NNG tells."""
+        if self._tls is not None:
+            from . import _tls
+
+            dialers = self.sock.dialers
+            if dialers and _tls.handshake_failures(dialers[0].dialer, listener=False):
+                return (
+                    "cannot connect (the TLS handshake failed: the listener has no "
+                    "certificate of this job, or refused ours)"
+                )
+        return "cannot connect (nobody listens there)"
 
     def send_fd(self) -> int:
         if self._fd < 0:
