@@ -14,6 +14,11 @@ fixed seed) by arm. Each rank draws its batches from its own shard of the traini
 Run it with ``python examples/train_ddp.py`` (``--procs 4 --steps 300`` by default;
 ``--ckpt-dir DIR`` keeps the checkpoints, otherwise they go to a temporary directory
 removed at exit; ``--trio`` for the trio backend).
+
+Across machines, ``--procs`` processes on each: ``--hosts tcp://ADDR:PORT,... --key-file
+KEY`` uses the ``amesh agent`` running on each machine, ``--slurm N`` submits a SLURM job
+of N nodes that runs them; either way ``--listen ADDR`` is this machine's address on
+their network (the checkpoint directory must be one every machine sees).
 """
 
 from __future__ import annotations
@@ -115,15 +120,27 @@ class Trainer(Actor):
         return f"rank {self.rank} of {dist.get_world_size()} at {dict(current_rank())}"
 
 
-async def train(args: argparse.Namespace, ckpt_dir: str) -> None:
+async def workers(args: argparse.Namespace) -> ProcMesh:
+    """``--procs`` processes here, or on each of the machines of ``--hosts``/``--slurm``."""
     env = {"OMP_NUM_THREADS": "1"}  # one compute thread per worker process
-    async with ProcMesh(per_host={"gpus": args.procs}, env=env) as procs:
+    if args.hosts:
+        hosts = await amesh.attach(args.hosts.split(","), key_file=args.key_file)
+    elif args.slurm:
+        hosts = await amesh.SlurmJob(nodes=args.slurm, name="train-ddp").host_mesh()
+    else:
+        return ProcMesh(per_host={"gpus": args.procs}, env=env)
+    return hosts.spawn_procs(per_host={"gpus": args.procs}, env=env)
+
+
+async def train(args: argparse.Namespace, ckpt_dir: str) -> None:
+    async with await workers(args) as procs:
         group = await amesh.torch.init_process_group(procs)
-        print(f"{args.procs} ranks, backend {group.backend}, store at {group.master_addr}")
+        ranks = len(procs)
+        print(f"{ranks} ranks, backend {group.backend}, store at {group.master_addr} {procs.sizes}")
         trainers = await procs.spawn(
             "trainers", Trainer, args.seed, args.train_size, args.batch_size, args.lr
         )
-        samples_per_step = args.batch_size * args.procs
+        samples_per_step = args.batch_size * ranks
         first_loss = last_loss = math.nan
         start = time.perf_counter()
         bar = tqdm(range(1, args.steps + 1), desc="train", unit="step", mininterval=0.5)
@@ -161,7 +178,11 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--procs", type=int, default=4, help="worker processes (ranks)")
+    p.add_argument("--procs", type=int, default=4, help="worker processes (ranks) per host")
+    p.add_argument("--hosts", default="", help="amesh agents: tcp://ADDR:PORT,...")
+    p.add_argument("--key-file", default=None, help="the agents' key (amesh keygen)")
+    p.add_argument("--slurm", type=int, default=0, metavar="N", help="run on N SLURM nodes")
+    p.add_argument("--listen", default="", help="this machine's address for --hosts/--slurm")
     p.add_argument("--steps", type=int, default=300, help="training steps")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
@@ -176,4 +197,7 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse_args()
+    if arguments.listen:  # the machines reach the controller over tcp at this address
+        os.environ.setdefault("AMESH_TRANSPORT", "tcp")
+        os.environ["AMESH_HOST"] = arguments.listen
     amesh.run(main, arguments, backend="trio" if arguments.trio else None)

@@ -381,3 +381,24 @@ async def test_hosts_over_tls(tmp_path: Path) -> None:
                 with pytest.raises(SupervisionError, match="SIGKILL"):
                     await c.slice(hosts=0, gpus=0).get.call_one()
                 assert await c.slice(hosts=1, gpus=1).get.call_one() == 1
+
+
+async def test_a_restart_stays_on_its_host(tmp_path: Path) -> None:
+    """A restart policy across hosts: the killed rank comes back on the same host (its
+    agent starts the new process), and the mesh answers again."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 2) as (a1, a2), tcp_runtime():
+            hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+            async with hosts.spawn_procs({"gpus": 2}) as procs:
+                c = await procs.spawn("c", Counter, restart=amesh.RestartPolicy(max_restarts=1))
+                await c.incr.call()
+                old = procs.pids[3]
+                os.kill(old, signal.SIGKILL)
+                while procs.pids[3] == old:  # the supervisor restarts it
+                    with pytest.raises(SupervisionError):
+                        await c.slice(hosts=1, gpus=1).get.call_one()
+                    await procs.ready()
+                new = procs.pids[3]
+                assert a2.proc.pid in ancestors(new)
+                assert list((await c.get.call()).values()) == [1, 1, 1, 0]

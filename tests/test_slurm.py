@@ -5,6 +5,9 @@ controller that attaches to the running job, and cancel."""
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -80,7 +83,8 @@ async def test_a_cut_off_host(
 ) -> None:
     """A node's link goes down: its rank fails with a SupervisionError within the
     heartbeat timeout, the other host goes on, and the cut-off worker is stopped by
-    its own agent (no lease from the controller for the agent's grace period, 5 s)."""
+    its own agent (no lease from the controller for the agent's grace period, 5 s).
+    Then the other node's agent is SIGKILLed: its rank fails, naming the host."""
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.slurm_conf)
     monkeypatch.setenv("AMESH_JOBS_DIR", str(tmp_path / "jobs"))
     job = SlurmJob(nodes=2, name="amesh-cut", time="10:00")
@@ -113,6 +117,12 @@ async def test_a_cut_off_host(
                     assert await c.slice(hosts=0).get.call_one() == 1
                     with anyio.fail_after(30):
                         await gone(victim)  # its agent stopped it
+                    # and an agent that dies: every rank of its host fails, named
+                    failed = anyio.Event()
+                    os.kill(hosts.hosts[0]["pid"], signal.SIGKILL)
+                    await failed.wait()
+                    assert failures[-1].rank == 0, failures
+                    assert failures[-1].host == hosts.hosts[0]["host"], failures[-1]
     finally:
         if cut:
             slurm_cluster.run("ip", "-n", "amesh-sw", "link", "set", cut, "up")
@@ -149,3 +159,31 @@ async def test_the_job_ends_with_its_controller(
     assert n == "1"
     assert slurm_cluster.wait_job(int(job_id), timeout=60) in ("CANCELLED", None)
     assert not (tmp_path / "jobs" / "amesh-exit").exists()
+
+
+def test_train_ddp_on_two_slurm_nodes(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The flagship example trains with gloo across two nodes of the cluster."""
+    env = {**slurm_cluster.env, "AMESH_JOBS_DIR": str(tmp_path / "jobs")}
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+    args = ["--slurm=2", "--procs=1", "--steps=40", "--eval-size=1024"]
+    args += [f"--listen={slurm_cluster.host_address}", f"--ckpt-dir={tmp_path / 'ckpt'}"]
+    proc = subprocess.run(
+        [sys.executable, str(example), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the store is at rank 0's node, not on this machine's side of the network
+    store = re.search(
+        r"2 ranks, backend gloo, store at (\S+) \{'hosts': 2, 'gpus': 1\}", proc.stdout
+    )
+    assert store is not None, proc.stdout
+    assert store.group(1) in slurm_cluster.addresses.values()
+    assert "eval accuracy" in proc.stdout
+    assert not (tmp_path / "jobs" / "train-ddp").exists()  # cancelled at exit
