@@ -886,3 +886,37 @@ def test_ext_receiver_queue_is_bounded() -> None:
             got += [bytes(m) for m in batch]
         assert got == sent
         rx.close()
+
+
+async def test_ext_copies_a_large_frame_off_the_event_loop() -> None:
+    """Copying a large frame into NNG happens in a worker thread: the event loop runs
+    other tasks meanwhile, and a frame sent after it still arrives after it."""
+    from amesh._transport._ext import THREAD_SEND, ExtTransport
+
+    a, b, inbox = ExtTransport(), ExtTransport(), Inbox()
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.serve, inbox.deliver)
+                await a.send(b.address, b"first")  # the link is up
+                assert await inbox.take(1) == [b"first"]
+                tg.start_soon(tick)
+                await anyio.lowlevel.checkpoint()
+                before = ticks
+                await a.send(b.address, bytes(THREAD_SEND))
+                assert ticks > before  # the loop ran while the frame was copied
+                assert a.try_send(b.address, b"after")
+                got = await inbox.take(2)
+                tg.cancel_scope.cancel()
+        assert len(got[0]) == THREAD_SEND and got[1] == b"after"
+    finally:
+        a.close()
+        b.close()

@@ -313,6 +313,7 @@ class NngLink:
         "_post",
         "_tls",
         "addr",
+        "busy",
         "connected",
         "deadline",
         "id",
@@ -328,6 +329,8 @@ class NngLink:
         #: when a link that never connected is given up
         self.deadline = time.monotonic() + FIRST_CONNECT_WINDOW
         self.lock: anyio.Lock | None = None
+        #: a large frame is being copied into NNG off the event loop: later frames wait
+        self.busy = False
         self._fd = -1
         self._tls = tls_dialer_config(addr)
         sock = pynng.Push0(
