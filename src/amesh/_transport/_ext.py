@@ -139,12 +139,7 @@ class ExtTransport:
             link.lock = anyio.Lock()
         async with link.lock:
             while not self.try_send(addr, frame):
-                if self._links.links.get(addr) is not link:
-                    raise TransportClosed(f"link to {addr} was closed")
-                try:
-                    await anyio.wait_readable(link.send_fd())
-                except anyio.ClosedResourceError:
-                    raise TransportClosed(f"link to {addr} was closed") from None
+                await self._links.room(link)
 
     async def _send_large(self, addr: str, frame: Frame, size: int) -> None:
         """Copy a large frame into NNG in a worker thread (the copy runs without the
@@ -159,12 +154,7 @@ class ExtTransport:
                 while not await anyio.to_thread.run_sync(
                     self._send_now, addr, link.id, frame, size
                 ):
-                    if self._links.links.get(addr) is not link:
-                        raise TransportClosed(f"link to {addr} was closed")
-                    try:
-                        await anyio.wait_readable(link.send_fd())
-                    except anyio.ClosedResourceError:
-                        raise TransportClosed(f"link to {addr} was closed") from None
+                    await self._links.room(link)
             finally:
                 link.busy = False
 

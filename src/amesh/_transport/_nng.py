@@ -62,6 +62,19 @@ class NngLinks:
         if self.handler is not None and not self.closed:
             self.handler(link.addr, why)
 
+    async def room(self, link: NngLink) -> None:
+        """Wait until ``link`` may take a frame again.
+
+        Raises:
+            TransportClosed: it was closed or given up meanwhile.
+        """
+        if self.links.get(link.addr) is not link:
+            raise TransportClosed(f"link to {link.addr} was closed")
+        try:
+            await anyio.wait_readable(link.send_fd())
+        except anyio.ClosedResourceError:
+            raise TransportClosed(f"link to {link.addr} was closed") from None
+
     def sweep(self) -> None:
         """Give up the links that never connected."""
         now = time.monotonic()
@@ -171,12 +184,7 @@ class NngTransport:
             link.lock = anyio.Lock()
         async with link.lock:
             while not self.try_send(addr, frame):
-                if self._links.links.get(addr) is not link:
-                    raise TransportClosed(f"link to {addr} was closed")
-                try:
-                    await anyio.wait_readable(link.send_fd())
-                except anyio.ClosedResourceError:
-                    raise TransportClosed(f"link to {addr} was closed") from None
+                await self._links.room(link)
 
     async def serve(self, deliver: Deliver) -> None:
         await serve_with_sweeps(
