@@ -402,3 +402,22 @@ async def test_a_restart_stays_on_its_host(tmp_path: Path) -> None:
                 new = procs.pids[3]
                 assert a2.proc.pid in ancestors(new)
                 assert list((await c.get.call()).values()) == [1, 1, 1, 0]
+
+
+async def test_train_ddp_over_agents(tmp_path: Path) -> None:
+    """The flagship example with --hosts: one rank on each of two agents, gloo."""
+    key = tmp_path / "key"
+    made = await anyio.run_process([sys.executable, "-m", "amesh", "keygen", str(key)])
+    assert made.returncode == 0
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+    with anyio.fail_after(240):
+        async with agents(key, 2) as (a1, a2):
+            args = [f"--hosts={a1.addr},{a2.addr}", f"--key-file={key}", "--listen=127.0.0.1"]
+            args += ["--procs=1", "--steps=40", "--eval-size=1024", f"--ckpt-dir={tmp_path}"]
+            out = await anyio.run_process(
+                [sys.executable, str(example), *args], check=False, stdin=subprocess.DEVNULL
+            )
+    text = out.stdout.decode()
+    assert out.returncode == 0, text + out.stderr.decode()
+    assert "2 ranks, backend gloo, store at 127.0.0.1 {'hosts': 2, 'gpus': 1}" in text
+    assert "eval accuracy" in text

@@ -26,7 +26,6 @@ from amesh._transport import (
     open_transport,
 )
 from amesh._transport import _stream_wire as wire
-from amesh._transport._base import FIRST_CONNECT_WINDOW
 from amesh._transport._ext import ExtTransport
 from amesh._transport._nng import NngTransport, _fresh_address
 from amesh._transport._paths import ipc_dir
@@ -479,13 +478,10 @@ async def test_a_listener_that_never_comes_is_reported(make: Factory) -> None:
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(a.serve, Inbox().deliver)
-            start = anyio.current_time()
             a.try_send(addr, b"lost")
             await lost.wait()
-            took = anyio.current_time() - start
             tg.cancel_scope.cancel()
     assert lost.reports[0][0] == addr and "connect" in lost.reports[0][1], lost.reports
-    assert FIRST_CONNECT_WINDOW <= took < FIRST_CONNECT_WINDOW + 2, took
     assert a.statistics().peers == 0
 
 
