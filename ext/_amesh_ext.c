@@ -85,6 +85,29 @@ typedef int32_t nng_duration;
 #define NNG_FLAG_NONBLOCK 2
 #define NNG_DURATION_INFINITE (-1)
 
+/* Intrusive lists of live objects (Receivers, Beats) that finalize() must stop: each
+ * node has `pprev` (the pointer that points at it) and `next`. GIL held. */
+#define LIST_PUSH(head, node)                                                          \
+    do {                                                                               \
+        (node)->next = (head);                                                         \
+        if ((head) != NULL) {                                                          \
+            (head)->pprev = &(node)->next;                                             \
+        }                                                                              \
+        (node)->pprev = &(head);                                                       \
+        (head) = (node);                                                               \
+    } while (0)
+#define LIST_UNLINK(node)                                                              \
+    do {                                                                               \
+        if ((node)->pprev != NULL) {                                                   \
+            *(node)->pprev = (node)->next;                                             \
+            if ((node)->next != NULL) {                                                \
+                (node)->next->pprev = (node)->pprev;                                   \
+            }                                                                          \
+            (node)->pprev = NULL;                                                      \
+            (node)->next = NULL;                                                       \
+        }                                                                              \
+    } while (0)
+
 #define NNG_EAGAIN 8
 #define NNG_ECLOSED 7
 
@@ -445,12 +468,7 @@ Receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     /* Not the socket's receive timeout: a posted receive waits for a message. */
     st->api.aio_set_timeout(self->aio, NNG_DURATION_INFINITE);
-    self->next = st->live;
-    if (st->live != NULL) {
-        st->live->pprev = &self->next;
-    }
-    self->pprev = &st->live;
-    st->live = self;
+    LIST_PUSH(st->live, self);
     return (PyObject *)self;
 }
 
@@ -619,14 +637,7 @@ Receiver_release(Receiver *self)
         self->st->api.aio_free(self->aio);
         self->aio = NULL;
     }
-    if (self->pprev != NULL) {
-        *self->pprev = self->next;
-        if (self->next != NULL) {
-            self->next->pprev = self->pprev;
-        }
-        self->pprev = NULL;
-        self->next = NULL;
-    }
+    LIST_UNLINK(self);
 }
 
 static void
@@ -863,19 +874,6 @@ beat_main(void *arg)
     return NULL;
 }
 
-static void
-beat_unlink(Beat *self)
-{
-    if (self->pprev != NULL) {
-        *self->pprev = self->next;
-        if (self->next != NULL) {
-            self->next->pprev = self->pprev;
-        }
-        self->pprev = NULL;
-        self->next = NULL;
-    }
-}
-
 /* Stop the thread and wait until it has ended, then close the socket (GIL held,
  * released while waiting). Idempotent; every caller returns once it has ended. */
 static void
@@ -917,7 +915,7 @@ Beat_stop(Beat *self)
         close(self->fd);
         self->fd = -1;
     }
-    beat_unlink(self);
+    LIST_UNLINK(self);
 }
 
 static PyObject *
@@ -1042,12 +1040,7 @@ Beat_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->running = 1;
     if (sock_id != 0) { /* finalize() must stop it before NNG goes */
-        self->next = st->beats;
-        if (st->beats != NULL) {
-            st->beats->pprev = &self->next;
-        }
-        self->pprev = &st->beats;
-        st->beats = self;
+        LIST_PUSH(st->beats, self);
     }
     return (PyObject *)self;
 

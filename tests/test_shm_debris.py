@@ -392,8 +392,6 @@ def test_random_kills_leave_no_debris(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_killed_job_is_swept_from_dev_shm(tmp_path: Path) -> None:
     """The same with the default directory, /dev/shm, shared with whatever else runs:
     only the killed job's segments are looked at."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
     env = controller_env(tmp_path, None)
     job, left = kill_round(env, "controller", 5, random.Random(SEED))
     assert left and job_segments("/dev/shm", job), "the killed job left no segments"

@@ -73,7 +73,6 @@ async def test_a_mesh_on_four_slurm_nodes(
     finally:
         if job.job_id is not None:
             job.cancel()
-    assert os.environ.get("SLURM_CONF") == slurm_cluster.slurm_conf
 
 
 async def test_a_cut_off_host(

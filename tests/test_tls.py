@@ -100,27 +100,9 @@ class TlsImpl(Impl):
 async def tls_receiver(
     listen: str, material: _tls.Material | None, target: str | None = None
 ) -> AsyncIterator[Callable[[], Any]]:
-    """A raw Pull0 on ``listen`` (TLS with ``material``; plain where None) that checks
-    the hello of each pipe as the listener at ``target`` (default: ``listen``);
-    yields ``await take()`` for a frame."""
+    """:func:`test_transport.nng_receiver` with TLS from ``material`` (plain if None)."""
     tls = _tls.server_config(material) if material is not None else None
-    with pynng.Pull0(tls_config=tls) as pull:
-        pull.listen(listen)
-        hellos = _auth.HelloCheck(target or listen)
-        proven: set[int] = set()
-
-        async def take() -> bytes:
-            while True:
-                try:
-                    msg = pull.recv_msg(block=False)
-                except pynng.TryAgain:
-                    await anyio.wait_readable(pull.recv_fd)
-                    continue
-                if msg.pipe.id in proven:
-                    return msg.bytes  # type: ignore[no-any-return]
-                hellos.check(msg.bytes)
-                proven.add(msg.pipe.id)
-
+    async with conformance.nng_receiver(listen, tls, target) as take:
         yield take
 
 

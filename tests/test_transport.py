@@ -79,22 +79,7 @@ class Impl:
     async def raw_receiver(self, addr: str) -> AsyncIterator[Callable[[], Any]]:
         """A foreign peer listening on ``addr``; yields ``await take()`` for a frame."""
         if not self.stream:
-            with pynng.Pull0(listen=addr) as pull:
-                hellos = _auth.HelloCheck(addr)
-                proven: set[int] = set()
-
-                async def take_nng() -> bytes:
-                    while True:
-                        try:
-                            msg = pull.recv_msg(block=False)
-                        except pynng.TryAgain:
-                            await anyio.wait_readable(pull.recv_fd)
-                            continue
-                        if msg.pipe.id in proven:
-                            return msg.bytes  # type: ignore[no-any-return]
-                        hellos.check(msg.bytes)  # the first message of a pipe
-                        proven.add(msg.pipe.id)
-
+            async with nng_receiver(addr) as take_nng:
                 yield take_nng
             return
         family, sockaddr = wire.parse_address(addr)
@@ -201,6 +186,33 @@ async def make(impl: Impl) -> AsyncIterator[Factory]:
     yield factory
     for t in factory.made:
         t.close()
+
+
+@asynccontextmanager
+async def nng_receiver(
+    listen: str, tls: Any = None, target: str | None = None
+) -> AsyncIterator[Callable[[], Any]]:
+    """A raw Pull0 listening on ``listen`` (with ``tls``, a pynng TLSConfig, if given)
+    that checks the hello of each pipe as the listener at ``target`` (default:
+    ``listen``) would; yields ``await take()`` for a frame."""
+    with pynng.Pull0(tls_config=tls) as pull:
+        pull.listen(listen)
+        hellos = _auth.HelloCheck(target or listen)
+        proven: set[int] = set()
+
+        async def take() -> bytes:
+            while True:
+                try:
+                    msg = pull.recv_msg(block=False)
+                except pynng.TryAgain:
+                    await anyio.wait_readable(pull.recv_fd)
+                    continue
+                if msg.pipe.id in proven:
+                    return msg.bytes  # type: ignore[no-any-return]
+                hellos.check(msg.bytes)  # the first message of a pipe
+                proven.add(msg.pipe.id)
+
+        yield take
 
 
 class Inbox:

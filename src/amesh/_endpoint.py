@@ -11,6 +11,7 @@ import anyio
 
 from . import _codec, _wire
 from ._errors import ActorError, DeadlockError, Failure, SupervisionError
+from ._runtime._calls import rank_label
 from ._runtime._context import is_local
 from ._runtime._runtime import Pending, Runtime, current_runtime
 from ._shape import Point, Shape
@@ -63,9 +64,7 @@ class MeshEndpoint(Generic[R]):
     def _where(self, rank: int) -> tuple[int, str]:
         """The mesh rank of called rank ``rank``, and how to name it in a message."""
         whole = self._mesh._shape.slots[rank]
-        if whole == rank:
-            return whole, f"rank {rank}"
-        return whole, f"rank {whole} (rank {rank} of the called slice)"
+        return whole, rank_label(whole, rank)
 
     def _raise(self, shape: Shape, rank: int, value: Any) -> None:
         if isinstance(value, _wire.Error):

@@ -214,6 +214,10 @@ class ProcMesh(MeshView):
         return self
 
     async def _start(self, rt: Runtime, tg: TaskGroup) -> None:
+        # Shared-memory segments of processes that ended without cleaning up: a killed
+        # controller's workers die with it, so nobody else ever removes them. Once per
+        # mesh (restarts need not look again).
+        _codec.sweep_segments()
         handles = await self._life.start_procs(rt, list(range(len(self._shape))))
         st = self._state = MeshState(rt, tg, handles)
         self._sup = MeshSupervisor(

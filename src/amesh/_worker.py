@@ -188,15 +188,48 @@ class NativeBeats:
             beat.close()
 
 
-def _send_heartbeats(boot: Bootstrap, addr: str, stop: threading.Event) -> None:
-    """Tell the parent we are alive, from a Python thread (without the extension)."""
-    frame = _heartbeat_frame(addr)
-    sender = heartbeat_sender(boot.parent, own=addr)
+def _send_heartbeats(to: str, own: str, period: float, stop: threading.Event) -> None:
+    """Heartbeats from a Python thread (without the extension)."""
+    frame = _heartbeat_frame(own)
+    sender = heartbeat_sender(to, own=own)
     try:
-        while not stop.wait(boot.heartbeat_period):
-            sender.send(frame)  # False: the parent is slow or away; a later beat will do
+        while not stop.wait(period):
+            sender.send(frame)  # False: the receiver is slow or away; a later beat will do
     finally:
         sender.close()
+
+
+def start_heartbeats(
+    to: str,
+    own: str,
+    period: float,
+    stop: threading.Event,
+    watch_tid: int = 0,
+    hung_after: float = 0.0,
+) -> NativeBeats | None:
+    """Send heartbeats from ``own`` to ``to`` every ``period`` seconds until ``stop``:
+    from the extension's thread (see :class:`NativeBeats`; close what it returns after
+    ``stop``), else from a Python thread (None).
+
+    The extension's connection is made here, before returning (blocking for one
+    handshake): a caller that then holds the GIL is heard all along.
+    """
+    native: NativeBeats | None = None
+    try:
+        native = NativeBeats(to, own, period, watch_tid, hung_after)
+    except ImportError:
+        pass
+    except Exception as exc:  # pynng's, for an NNG receiver
+        log.warning("heartbeats from a Python thread: %s", exc)
+    target: Callable[..., None]
+    args: tuple[Any, ...]
+    if native is None:
+        target, args = _send_heartbeats, (to, own, period, stop)
+    else:
+        native.renew()
+        target, args = native.watch, (stop,)
+    threading.Thread(target=target, args=args, name="amesh-heartbeat", daemon=True).start()
+    return native
 
 
 async def serve(
@@ -229,30 +262,15 @@ async def serve(
 @contextmanager
 def _thread_heartbeats(boot: Bootstrap, rt: Runtime) -> Iterator[None]:
     stop = threading.Event()
-    target: Callable[..., None]
-    args: tuple[Any, ...]
-    native: NativeBeats | None = None
-    try:
-        # this thread runs the event loop: its hang in the kernel silences the beats
-        native = NativeBeats(
-            boot.parent,
-            rt.address,
-            boot.heartbeat_period,
-            threading.get_native_id(),
-            boot.heartbeat_timeout,
-        )
-    except ImportError:
-        pass
-    except Exception as exc:  # pynng's, for an NNG parent
-        log.warning("heartbeats from a Python thread: %s", exc)
-    if native is None:
-        target, args = _send_heartbeats, (boot, rt.address, stop)
-    else:
-        # Connected before any handler runs (blocking for the handshake, one round
-        # trip), so that one that holds the GIL from its start is heard all along.
-        native.renew()
-        target, args = native.watch, (stop,)
-    threading.Thread(target=target, args=args, name="amesh-heartbeat", daemon=True).start()
+    # this thread runs the event loop: its hang in the kernel silences the beats
+    native = start_heartbeats(
+        boot.parent,
+        rt.address,
+        boot.heartbeat_period,
+        stop,
+        threading.get_native_id(),
+        boot.heartbeat_timeout,
+    )
     try:
         yield
     finally:

@@ -79,7 +79,7 @@ class HostAgent(Actor):
         self.children: dict[int, _Child] = {}
         #: controllers with workers here, whose leases are watched
         self._watched: set[str] = set()
-        self._monitor: Runtime | None = None
+        self._expiring = False
 
     @endpoint(concurrent=True)
     def info(self) -> dict[str, Any]:
@@ -168,8 +168,8 @@ class HostAgent(Actor):
         if owner not in self._watched:
             self._watched.add(owner)
             rt.peers.watch(owner, lambda why: None, anyio.current_time())
-            if self._monitor is None:
-                self._monitor = rt
+            if not self._expiring:
+                self._expiring = True
                 rt.start_soon(self._expire, rt)
 
     async def _expire(self, rt: Runtime) -> None:

@@ -26,7 +26,7 @@ import sniffio
 from .. import _wire
 from .._bootstrap import Bootstrap
 from .._errors import SupervisionError
-from .._mesh._host import ProcessLike, ProcHandle, describe_exit, set_default_host
+from .._mesh._host import ProcessLike, ProcHandle, exit_cause, set_default_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
 from .._transport._auth import job_key
@@ -63,6 +63,41 @@ class ReadyWaiter:
 
     def cancel(self) -> None:
         self._rt.ready_waiters.pop(self.token, None)
+
+    async def started(self, process: ProcessLike, pid: int, where: str = "") -> _wire.Ready:
+        """The Ready of ``process`` (pid ``pid``, on host ``where``: "" for this one).
+
+        Raises:
+            SupervisionError: it exited first, or did not report within
+                :data:`STARTUP_TIMEOUT`; it is killed and reaped then.
+        """
+        try:
+            with anyio.move_on_after(STARTUP_TIMEOUT):
+                async with anyio.create_task_group() as tg:
+
+                    async def watch() -> None:
+                        await process.wait()
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(watch)
+                    await self.wait()
+                    tg.cancel_scope.cancel()
+            if self.msg is None:
+                if process.returncode is not None:
+                    why = exit_cause(process)
+                else:
+                    why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
+                on = f" on {where}" if where else ""
+                raise SupervisionError(f"worker process {pid}{on} {why} while starting")
+            return self.msg
+        except BaseException:
+            self.cancel()
+            with anyio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.kill()
+                await process.wait()
+                await process.aclose()
+            raise
 
 
 class LocalHost:
@@ -101,34 +136,8 @@ class LocalHost:
         except BaseException:
             ready.cancel()
             raise
-        exited = anyio.Event()
-        try:
-            with anyio.move_on_after(STARTUP_TIMEOUT):
-                async with anyio.create_task_group() as tg:
-
-                    async def watch() -> None:
-                        await process.wait()
-                        exited.set()
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(watch)
-                    await ready.wait()
-                    tg.cancel_scope.cancel()
-            if ready.msg is None:
-                if exited.is_set():
-                    why = describe_exit(process.returncode or 0)
-                else:
-                    why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
-                raise SupervisionError(f"worker process {pid} {why} while starting")
-        except BaseException:
-            ready.cancel()
-            with anyio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.kill()
-                await process.wait()
-                await process.aclose()
-            raise
-        return ProcHandle(ready.msg.addr, ready.msg.pid, process)
+        msg = await ready.started(process, pid)
+        return ProcHandle(msg.addr, msg.pid, process)
 
 
 async def launch_worker(

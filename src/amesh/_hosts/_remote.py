@@ -13,7 +13,6 @@ the loss of every worker on its host.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import weakref
@@ -22,19 +21,17 @@ from typing import Any
 
 import anyio
 
-from .. import _wire
 from .._actor_mesh import ActorMesh
 from .._errors import SupervisionError
 from .._mesh._host import ProcHandle
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime, current_runtime
 from .._shape import Shape
-from .._transport import heartbeat_sender
 from .._transport._auth import adopt_key_file
 from .._value_mesh import MeshView
-from .._worker import NativeBeats
+from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, HostAgent
-from ._local import STARTUP_TIMEOUT, ReadyWaiter
+from ._local import ReadyWaiter
 
 __all__ = ["HostMesh", "RemoteProcess", "attach"]
 
@@ -141,32 +138,14 @@ class _Leases:
         if agent in self.agents:
             return
         self.agents.add(agent)
-        target: Any
-        args: tuple[Any, ...]
-        try:
-            beats = NativeBeats(agent, self._rt.address, LEASE_PERIOD, 0, 0.0)
-        except ImportError:
-            target, args = _python_leases, (agent, self._rt.address, self._stop)
-        else:
-            beats.renew()
+        beats = start_heartbeats(agent, self._rt.address, LEASE_PERIOD, self._stop)
+        if beats is not None:
             self._beats.append(beats)
-            target, args = beats.watch, (self._stop,)
-        threading.Thread(target=target, args=args, name="amesh-lease", daemon=True).start()
 
     async def stop(self) -> None:
         self._stop.set()
         for beats in self._beats:
             beats.close()
-
-
-def _python_leases(agent: str, own: str, stop: threading.Event) -> None:
-    frame = _wire.join(_wire.encode(_wire.Heartbeat(own, os.getpid())))
-    sender = heartbeat_sender(agent, own=own)
-    try:
-        while not stop.wait(LEASE_PERIOD):
-            sender.send(frame)
-    finally:
-        sender.close()
 
 
 _LEASES: weakref.WeakKeyDictionary[Runtime, _Leases] = weakref.WeakKeyDictionary()
@@ -245,27 +224,12 @@ class _Placement:
             pid = await agent.start_proc.call_one(
                 ready.token, dict(env or {}), heartbeat_period, heartbeat_timeout
             )
-            process = RemoteProcess(agent, pid, where)
-            with anyio.move_on_after(STARTUP_TIMEOUT):
-                async with anyio.create_task_group() as tg:
-
-                    async def exited() -> None:
-                        await process.wait()
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(exited)
-                    await ready.wait()
-                    tg.cancel_scope.cancel()
-        finally:
+        except BaseException:
             ready.cancel()
-        if ready.msg is None:
-            if process.returncode is None:
-                process.kill()
-                why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
-            else:
-                why = process.lost or f"exited ({process.returncode})"
-            raise SupervisionError(f"worker process {pid} on {where} {why} while starting")
-        return ProcHandle(ready.msg.addr, ready.msg.pid, process, local=False, host=where)
+            raise
+        process = RemoteProcess(agent, pid, where)
+        msg = await ready.started(process, pid, where)
+        return ProcHandle(msg.addr, msg.pid, process, local=False, host=where)
 
 
 def _agent_address(addr: str) -> str:

@@ -25,6 +25,7 @@ __all__ = [
     "ProcessLike",
     "default_host",
     "describe_exit",
+    "exit_cause",
     "set_default_host",
 ]
 
@@ -38,6 +39,13 @@ def describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with code {returncode}"
+
+
+def exit_cause(process: ProcessLike) -> str:
+    """How ``process`` ended: ``"was killed by SIGKILL"``, or, for a process on another
+    machine, why its host can no longer say (its ``lost``: the agent was lost)."""
+    lost: str | None = getattr(process, "lost", None)
+    return lost or describe_exit(process.returncode or 0)
 
 
 class ProcessLike(Protocol):
@@ -77,10 +85,8 @@ class ProcHandle:
         return self.process.returncode
 
     def exit_cause(self) -> str:
-        """How it ended: ``"was killed by SIGKILL"``, or why a remote host can no
-        longer say (its agent was lost)."""
-        lost: str | None = getattr(self.process, "lost", None)
-        return lost or describe_exit(self.returncode or 0)
+        """How it ended (see :func:`exit_cause`)."""
+        return exit_cause(self.process)
 
     async def stop(self, grace: float) -> None:
         """Wait ``grace`` seconds for a requested exit, then terminate, then kill."""

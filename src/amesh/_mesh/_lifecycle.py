@@ -134,9 +134,6 @@ class Lifecycle:
     async def start_procs(self, rt: Runtime, slots: list[int]) -> list[ProcHandle]:
         """Start a process for each of ``slots``, in that order."""
         n = len(slots)
-        # Shared-memory segments of processes that ended without cleaning up: a killed
-        # controller's workers die with it, so nobody else ever removes them.
-        _codec.sweep_segments()
         scheme, host = self.scheme(rt)
         procs: list[ProcHandle | None] = [None] * n
 

@@ -13,7 +13,7 @@ from .._errors import Failure, SupervisionError
 from .._ratelog import RateLimitedLog
 from ._context import native_event_class
 
-__all__ = ["Calls", "Pending"]
+__all__ = ["Calls", "Pending", "rank_label"]
 
 _refusals = RateLimitedLog(logging.getLogger("amesh.runtime"))
 
@@ -65,9 +65,8 @@ class Pending:
         return self.slots[rank] if self.slots else rank
 
     def where(self, rank: int) -> str:
-        """``"rank 5"``, or ``"rank 5 (rank 1 of the called slice)"``."""
-        whole = self.mesh_rank(rank)
-        return f"rank {whole}" + (f" (rank {rank} of the called slice)" if whole != rank else "")
+        """How messages name called rank ``rank`` (see :func:`rank_label`)."""
+        return rank_label(self.mesh_rank(rank), rank)
 
     async def next(self) -> tuple[int, bool, Any]:
         while not self.items:
@@ -75,6 +74,12 @@ class Pending:
             await self._event.wait()
         self._event = None
         return self.items.popleft()
+
+
+def rank_label(whole: int, rank: int) -> str:
+    """``"rank 5"``, or ``"rank 5 (rank 1 of the called slice)"`` for rank 1 of a slice
+    that is rank 5 of the whole mesh."""
+    return f"rank {whole}" + (f" (rank {rank} of the called slice)" if whole != rank else "")
 
 
 def mesh_name(actor_key: str) -> str:

@@ -58,16 +58,7 @@ class Dispatch:
         """Queue a request for a local actor, or answer why it cannot run."""
         inst = self.actors.get(env.actor)
         if inst is None:
-            if isinstance(env, _wire.Cast):
-                self._links.taken(env.sender, env.actor, _wire.payload_size(env))
-            if isinstance(env, _wire.Call):
-                self.reply_error(
-                    env.reply_to or env.sender,
-                    env.reply_id or env.call_id,
-                    env.rank,
-                    LookupError,
-                    f"no actor {env.actor!r} is running in process {self.pid}",
-                )
+            self._decline(env, f"no actor {env.actor!r} is running in process {self.pid}")
             return
         if inst.failed is not None:
             if isinstance(env, _wire.Cast):
@@ -82,17 +73,17 @@ class Dispatch:
             inst.put(env, buffers)
         except anyio.ClosedResourceError:  # the actor is stopping: it takes nothing more
             self.queued.discard(key)
-            if isinstance(env, _wire.Cast):
-                self._links.taken(env.sender, env.actor, _wire.payload_size(env))
-            else:
-                self.reply_error(
-                    env.reply_to or env.sender,
-                    env.reply_id or env.call_id,
-                    env.rank,
-                    LookupError,
-                    f"actor {env.actor!r} is stopping in process {self.pid}",
-                )
-            return
+            self._decline(env, f"actor {env.actor!r} is stopping in process {self.pid}")
+
+    def _decline(self, env: _wire.Call | _wire.Cast, why: str) -> None:
+        """A request no actor here will run: a call is answered with a LookupError, a
+        cast's credit is returned (its sender must not wait for it)."""
+        if isinstance(env, _wire.Cast):
+            self._links.taken(env.sender, env.actor, _wire.payload_size(env))
+        else:
+            self.reply_error(
+                env.reply_to or env.sender, env.reply_id or env.call_id, env.rank, LookupError, why
+            )
 
     def cancel(self, key: tuple[str, int], relayed: bool) -> None:
         """The sender cancelled request ``key`` (``relayed``: we were gathering it)."""

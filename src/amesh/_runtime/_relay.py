@@ -61,10 +61,10 @@ class Relays:
         gather = self.gathers.get(gid)
         if gather is None:
             return False
-        refused = gather.refused
-        if gather.add(env, buffers, peer):
+        if gather.source.get(env.rank, peer) != peer:
+            self.refused += 1
+        elif gather.add(env, buffers):
             self._send_up(gid, gather)
-        self.refused += gather.refused - refused
         return True
 
     def cancel(self, key: tuple[str, int]) -> bool:

@@ -170,7 +170,7 @@ def sources(own: int, address: str, nodes: Nodes) -> dict[int, str]:
 class Gather:
     """A relay's collection of its subtree's replies to one call."""
 
-    __slots__ = ("items", "key", "parts", "refused", "reply_id", "reply_to", "source", "waiting")
+    __slots__ = ("items", "key", "parts", "reply_id", "reply_to", "source", "waiting")
 
     def __init__(self, key: tuple[str, int], reply_to: str, reply_id: int, source: dict[int, str]):
         self.key = key
@@ -183,16 +183,10 @@ class Gather:
         self.waiting = set(source)
         self.items: list[_wire.Reply | _wire.Error] = []
         self.parts: list[Any] = []
-        #: replies dropped because they came from elsewhere
-        self.refused = 0
 
-    def add(self, env: _wire.Reply | _wire.Error, buffers: Sequence[Any], peer: str) -> bool:
-        """Take one reply from ``peer``; True if it should be sent up now (error or
-        complete). A reply from anywhere but where the rank's request went is dropped."""
+    def add(self, env: _wire.Reply | _wire.Error, buffers: Sequence[Any]) -> bool:
+        """Take one reply; True if it should be sent up now (error or complete)."""
         if env.rank not in self.waiting:
-            return False
-        if self.source[env.rank] != peer:
-            self.refused += 1
             return False
         self.waiting.discard(env.rank)
         self.items.append(env)
