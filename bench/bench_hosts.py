@@ -4,7 +4,9 @@ lost host to be noticed.
     python bench/bench_hosts.py [--json] [--slurm]
 
 Rows (agents on loopback; with ``--slurm``, as root, also through the SLURM cluster of
-``scripts/cluster``, whose nodes are network namespaces of this machine):
+``scripts/cluster``, whose nodes are network namespaces of this machine). Everything
+listens on ``tcp``, the default between hosts: TLS from host to host, event-loop
+streams within one (so on loopback, streams):
 
 - agent start to first answer: ``amesh agent`` exec'd until ``attach()`` returns
   (python start-up, imports, listening, the authenticated handshake, one call);
@@ -36,7 +38,7 @@ import anyio
 
 import amesh
 from amesh._runtime._runtime import open_runtime
-from amesh._transport import StreamTransport
+from amesh._transport import open_transport
 from amesh._transport._auth import job_key
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +85,7 @@ async def loopback(key: str) -> dict[str, float]:
     out: dict[str, float] = {}
     agents: list[subprocess.Popen[str]] = []
     try:
-        async with open_runtime(lambda: StreamTransport("tcp")):
+        async with open_runtime(lambda: open_transport("tcp")):
             t0 = time.perf_counter()
             p1, a1 = _start_agent(key)
             agents.append(p1)
@@ -137,7 +139,7 @@ async def slurm() -> dict[str, float]:
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as jobs:
         os.environ["AMESH_JOBS_DIR"] = jobs
-        async with open_runtime(lambda: StreamTransport("tcp", host=host)):
+        async with open_runtime(lambda: open_transport("tcp", host=host)):
             for label in ("submit", "attach to the running job"):
                 job = amesh.SlurmJob(nodes=4, name="amesh-bench", time="10:00")
                 t0 = time.perf_counter()

@@ -23,7 +23,7 @@ import pytest
 import amesh
 from amesh import SupervisionError
 from amesh._runtime._runtime import open_runtime
-from amesh._transport import StreamTransport
+from amesh._transport import open_transport
 from amesh._transport._auth import job_key, read_key_file
 
 from .actors import Counter
@@ -61,6 +61,7 @@ class Agent:
         cmd += ["--key-file", str(key), "--grace", str(grace)]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
+        self._logged = threading.Condition()
         self._listening = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -68,10 +69,29 @@ class Agent:
     def _read(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            self.log.append(line)
+            with self._logged:
+                self.log.append(line)
+                self._logged.notify_all()
             if "listening on" in line:
                 self._listening.set()
         self._listening.set()  # it exited
+        with self._logged:
+            self._logged.notify_all()
+
+    async def logged(self, text: str) -> str:
+        """Wait until the agent logs a line containing ``text``; that line."""
+
+        def wait() -> str:
+            with self._logged:
+                while True:
+                    for line in self.log:
+                        if text in line:
+                            return line
+                    if self.proc.poll() is not None and not self._reader.is_alive():
+                        raise AssertionError(f"the agent exited without logging {text!r}")
+                    self._logged.wait(1.0)
+
+        return await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
 
     async def listening(self) -> None:
         await anyio.to_thread.run_sync(self._listening.wait)
@@ -124,7 +144,8 @@ async def gone(pid: int) -> None:
 
 
 def tcp_runtime() -> open_runtime:
-    return open_runtime(lambda: StreamTransport("tcp"))
+    """A controller on ``tcp``: TLS to other hosts, streams within this one (here)."""
+    return open_runtime(lambda: open_transport("tcp"))
 
 
 def test_keygen_writes_a_private_key_once(tmp_path: Path) -> None:
@@ -270,10 +291,10 @@ async def test_workers_do_not_outlive_their_controller(tmp_path: Path) -> None:
 _STRANGER = """
 import sys, anyio, amesh
 from amesh._runtime._runtime import open_runtime
-from amesh._transport import StreamTransport
+from amesh._transport import open_transport
 
 async def main():
-    async with open_runtime(lambda: StreamTransport("tcp")):
+    async with open_runtime(lambda: open_transport("tcp")):
         try:
             await amesh.attach([sys.argv[1]], timeout=20)
         except amesh.SupervisionError as exc:
@@ -355,11 +376,11 @@ async def test_a_stalled_controller_keeps_its_workers(tmp_path: Path) -> None:
         assert not any("is gone" in line for line in agent.log), agent.log
 
 
-async def test_hosts_over_tls(tmp_path: Path) -> None:
-    """Agents, the controller and every worker on tls+tcp (NNG with TLS, certificates of
-    the job): the mesh works, every worker listens on tls+tcp, a death is reported."""
-    from amesh._transport import open_transport
-
+async def test_hosts_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents, the controller and every worker on tls+tcp with every link NNG over TLS
+    (certificates of the job), within this host too (AMESH_TRANSPORT_IMPL=ext): the mesh
+    works, every worker listens on tls+tcp, a death is reported."""
+    monkeypatch.setenv("AMESH_TRANSPORT_IMPL", "ext")  # the agents inherit it
     key = shared_key(tmp_path)
     with anyio.fail_after(120):
         async with (

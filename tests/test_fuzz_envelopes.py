@@ -58,7 +58,7 @@ NOBODIES = 3000
 
 EMPTY_ARGS = _codec.dumps(((), {})).data
 TAGS = ["call", "cast", "reply", "relay", "error", "gathered", "prune", "credit", "cancel"]
-TAGS += ["ready", "failure", "hb", "died"]
+TAGS += ["ready", "failure", "hb", "died", "output"]
 #: every envelope type (each must come up in the examples)
 KINDS = [t.__name__ for t in get_args(_wire.Envelope)]
 
@@ -130,6 +130,11 @@ def test_decode_refuses_what_no_sender_sends() -> None:
         _wire.Heartbeat(a, -1),
         _wire.Died(a, "m", -2, None, "h", "c"),
         _wire.Died(a, "m", -1, None, "h", "c", signal=0),
+        _wire.Output([_wire.OutputLine(3, "m", 0, "text")]),
+        _wire.Output([_wire.OutputLine(0, "m", -1, "text")]),
+        _wire.Output([_wire.OutputLine(0, "m", 0, "x" * (_wire.MAX_LINE + 1))]),
+        _wire.Output([_wire.OutputLine(2, "m", 0, "text", 101)]),
+        _wire.Output([], -1),
     ]
     for env in bad:
         _refused(env)
@@ -553,7 +558,8 @@ class Draw:
         )
 
     def control(self) -> st.SearchStrategy[Sent]:
-        """Everything else: credit, cancel, prune, ready, failure, heartbeat, death."""
+        """Everything else: credit, cancel, prune, ready, failure, heartbeat, death,
+        output (which the worker takes from no one: it supervises nobody)."""
         addr = self.addresses()
         text = st.text(max_size=30)
         small = st.integers(-2, 40) | any_int
@@ -576,6 +582,15 @@ class Draw:
                 text,
                 st.none() | small,
                 st.none() | small,
+            ),
+            st.builds(
+                _wire.Output,
+                st.lists(
+                    st.builds(_wire.OutputLine, st.integers(-1, 3), text, small, text, small, text),
+                    max_size=3,
+                ),
+                small,
+                st.booleans(),
             ),
         )
         return envs.map(framed)

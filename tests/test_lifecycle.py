@@ -93,9 +93,11 @@ async def test_worker_death_fails_calls_and_the_scope() -> None:
         assert str(victim) in str(info.value)
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "ipc"])
+@pytest.mark.parametrize("scheme", ["stream+tcp", "ipc"])
 async def test_other_transports(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain streams over tcp (``tcp`` is TLS between hosts: see test_hybrid), and ipc."""
     monkeypatch.setenv("AMESH_TRANSPORT", scheme)
+    scheme = scheme.removeprefix("stream+")
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 2}) as procs:
             # stream transport addresses carry a "stream+" prefix

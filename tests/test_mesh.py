@@ -133,7 +133,8 @@ async def test_value_mesh_as_argument() -> None:
         async with ProcMesh(per_host={"procs": 3}) as procs:
             c = await procs.spawn("c", Counter)
             ones = await c.incr.call()
-            totals = await c.total.call(ones)
+            # whole(): every rank gets the ValueMesh itself, not its own element
+            totals = await c.total.call(ones.whole())
             assert totals.values() == [3, 3, 3]
-            echoed = await c.slice(procs=0).echo.call_one(ones.slice(procs=slice(0, 2)))
+            echoed = await c.slice(procs=0).echo.call_one(ones.slice(procs=slice(0, 2)).whole())
             assert isinstance(echoed, amesh.ValueMesh) and echoed.values() == [1, 1]

@@ -17,7 +17,7 @@ import pytest
 import amesh
 from amesh import SlurmJob
 from amesh._runtime._runtime import open_runtime
-from amesh._transport import StreamTransport
+from amesh._transport import HybridTransport, StreamTransport, open_transport
 
 from .actors import Counter
 from .cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
@@ -41,9 +41,11 @@ async def test_a_mesh_on_four_slurm_nodes(
     job = SlurmJob(nodes=4, name="amesh-test", time="10:00")
     try:
         with anyio.fail_after(300):
+            # tcp, the default between hosts: TLS across the nodes (the cut-off test
+            # below keeps plain streams)
             async with open_runtime(
-                lambda: StreamTransport("tcp", host=slurm_cluster.host_address)
-            ):
+                lambda: open_transport("tcp", host=slurm_cluster.host_address)
+            ) as rt:
                 hosts = await job.host_mesh()
                 assert hosts.sizes == {"hosts": 4}
                 assert sorted(h["host"] for h in hosts.hosts) == sorted(
@@ -60,6 +62,12 @@ async def test_a_mesh_on_four_slurm_nodes(
                     hosts_of = [s["address"].split("//")[1].rsplit(":", 1)[0] for s in stats]
                     nodes = [slurm_cluster.addresses[n] for n in sorted(slurm_cluster.nodes)]
                     assert sorted(hosts_of) == sorted(nodes * 2)
+                    assert all(s["address"].startswith("tls+tcp://") for s in stats)
+                    # no node is the controller's host: nothing went over its streams
+                    assert isinstance(rt.transport, HybridTransport)
+                    routes = rt.transport.routes()
+                    assert routes["tls"].frames_sent > 0
+                    assert routes["stream"].frames_sent == 0
                 # a second controller (here: a second handle) finds the running job
                 again = SlurmJob(nodes=4, name="amesh-test")
                 hosts2 = await again.host_mesh()

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from amesh._transport import (
+    HybridTransport,
     StreamTransport,
     Transport,
     _auth,
@@ -370,13 +371,15 @@ async def test_heartbeat_sender_over_tls(made: list[Transport]) -> None:
 
 
 def test_open_transport_takes_tls_to_nng(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the NNG transports speak TLS: tls+tcp picks one whatever the default."""
+    """Only the NNG transports speak TLS: tls+tcp picks one whatever the default (under
+    a HybridTransport, which adds streams within the host, unless one is named)."""
     for impl in ("stream", "ext", "nng"):
         monkeypatch.setenv("AMESH_TRANSPORT_IMPL", impl)
         t = open_transport("tls+tcp")
         t.close()
         assert not isinstance(t, StreamTransport)
         assert t.address.startswith("tls+tcp://127.0.0.1:")
+        assert isinstance(t, HybridTransport) == (impl == "stream")
         assert isinstance(t, NngTransport) == (impl == "nng")
 
 

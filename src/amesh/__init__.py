@@ -18,6 +18,7 @@ from ._actor import current_rank as current_rank
 from ._actor import current_size as current_size
 from ._actor import endpoint as endpoint
 from ._actor_mesh import ActorMesh as ActorMesh
+from ._debug import debug as debug
 from ._endpoint import MeshEndpoint as MeshEndpoint
 from ._errors import ActorError as ActorError
 from ._errors import DeadlockError as DeadlockError
@@ -29,9 +30,12 @@ from ._hosts import HostMesh as HostMesh
 from ._hosts import LocalHost as LocalHost
 from ._hosts import SlurmJob as SlurmJob
 from ._hosts import attach as attach
+from ._hosts import attach_mesh as attach_mesh
 from ._hosts import this_host as this_host
 from ._proc_mesh import ProcMesh as ProcMesh
 from ._run import run as run
+from ._runtime._session import Op as Op
+from ._runtime._session import Stream as Stream
 from ._shape import Point as Point
 from ._shape import Shape as Shape
 from ._supervision import RestartPolicy as RestartPolicy
@@ -48,6 +52,7 @@ __all__ = [
     "HostMesh",
     "LocalHost",
     "MeshEndpoint",
+    "Op",
     "Point",
     "ProcMesh",
     "ProtocolError",
@@ -55,13 +60,16 @@ __all__ = [
     "RemoteTraceback",
     "Shape",
     "SlurmJob",
+    "Stream",
     "SupervisionError",
     "ValueMesh",
     "attach",
+    "attach_mesh",
     "cancelled",
     "current_actor",
     "current_rank",
     "current_size",
+    "debug",
     "endpoint",
     "run",
     "this_host",

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._endpoint import MeshEndpoint
 from ._runtime._runtime import Tree
+from ._runtime._session import bridged_always
 from ._runtime._tree import grouped
 from ._shape import Shape
 from ._value_mesh import MeshView
@@ -23,6 +24,8 @@ class MeshOwner(Protocol):
     """What spawned an actor mesh and stops it: its ProcMesh, a layer above this one."""
 
     async def _stop_actor_mesh(self, mesh: ActorMesh[Any]) -> None: ...
+
+    def _session_failure(self) -> Exception | None: ...
 
 
 class ActorMesh(MeshView, Generic[A]):
@@ -66,6 +69,7 @@ class ActorMesh(MeshView, Generic[A]):
         view._owner = self._owner
         return view
 
+    @bridged_always
     async def stop(self) -> None:
         """Stop these actors (``__cleanup__`` runs); their processes live on.
 

@@ -24,8 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         "--listen",
         required=True,
         metavar="tcp://ADDR:PORT",
-        help="where controllers reach it (tls+tcp://ADDR:PORT: NNG with TLS, certificates "
-        "of the job made from its key)",
+        help="where controllers reach it, encrypted (TLS with certificates of the job made "
+        "from its key) between hosts; stream+tcp://ADDR:PORT for plain streams",
     )
     agent.add_argument("--key-file", required=True, metavar="PATH", help="see `amesh keygen`")
     agent.add_argument(
@@ -44,6 +44,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     agent.add_argument(
         "--announce", default="", metavar="PATH", help="write the address to PATH once listening"
+    )
+    agent.add_argument(
+        "--idle-exit",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="exit after SECONDS without workers or controllers (default: never)",
+    )
+
+    for name, text in (
+        ("list", "show the persistent meshes: shape, hosts, pids, actor meshes"),
+        ("stop", "stop a persistent mesh: its processes and their actors"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        if name == "stop":
+            cmd.add_argument("name", help="the mesh's name")
+        else:
+            cmd.add_argument("--json", action="store_true", help="print JSON")
+        cmd.add_argument(
+            "--hosts",
+            default="",
+            metavar="ADDR,...",
+            help="the host agents to ask (default: this machine's local agent)",
+        )
+        cmd.add_argument("--key-file", default=None, metavar="PATH", help="the agents' key")
+
+    debug = sub.add_parser(
+        "debug", help="attach to a rank paused in breakpoint() by a controller on this machine"
+    )
+    debug.add_argument(
+        "--pid", type=int, default=None, help="the controller's pid (when several have one)"
     )
     return parser
 
@@ -75,5 +106,17 @@ def main(argv: list[str] | None = None) -> int:
         if grace < 0:
             print("amesh agent: --grace must be at least 0", file=sys.stderr)
             return 2
-        return agent_main(args.listen, args.key_file, grace, args.route_to, args.announce)
+        return agent_main(
+            args.listen, args.key_file, grace, args.route_to, args.announce, args.idle_exit
+        )
+    if args.command in ("list", "stop"):
+        from ._hosts._admin import main as admin_main
+
+        hosts = [h for h in args.hosts.split(",") if h] or None
+        return admin_main(args.command, hosts, args.key_file, args)
+    if args.command == "debug":
+        from ._debug import cli as debug_main
+        from ._hosts._home import state_dir
+
+        return debug_main(state_dir() / "debug", args.pid)
     raise AssertionError(args.command)  # argparse allows no other

@@ -1,10 +1,13 @@
 """Payload codec: pickle protocol 5 with out-of-band buffers and shared memory.
 
 Classes and functions from ``__main__`` (scripts, notebooks) travel by value
-(cloudpickle). Buffers of at least :data:`OOB_THRESHOLD` bytes (numpy arrays, torch
-tensors, large ``bytes``...) are not copied into the pickle: they travel as separate
-parts of the frame, and the receiver's objects are views of the received frame
-(``bytes`` are copied once, since a ``bytes`` object cannot be a view).
+(cloudpickle), their code with its real file name and the source lines it spans, which
+the receiver puts in ``linecache``: its tracebacks show them.
+
+Buffers of at least :data:`OOB_THRESHOLD` bytes (numpy arrays, torch tensors, large
+``bytes``...) are not copied into the pickle: they travel as separate parts of the
+frame, and the receiver's objects are views of the received frame (``bytes`` are
+copied once, since a ``bytes`` object cannot be a view).
 
 With ``dumps(obj, shm=True)`` (one receiver, on this host) buffers of at least
 :func:`shm_threshold` bytes are written once into shared-memory segments, files in
@@ -45,7 +48,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import linecache
 import logging
+import marshal
 import mmap
 import os
 import pickle
@@ -54,6 +59,7 @@ import stat
 import struct
 import sys
 import threading
+import types
 from collections.abc import Sequence
 from itertools import count
 from typing import Any
@@ -126,11 +132,36 @@ class Payload:
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
+        tp = type(obj)
+        if tp is types.CodeType:
+            return _reduce_code(obj)
         # Never imports torch: a tensor exists only where torch was imported already.
         torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor:
+        if torch is not None and tp is torch.Tensor:
             return reduce_tensor(obj)
         return super().reducer_override(obj)
+
+
+def _reduce_code(code: types.CodeType) -> tuple[Any, ...]:
+    """Code shipped by value (``__main__``, a notebook cell), with its source lines.
+
+    cloudpickle's own reduction renames the file ``<dynamic-code>``; marshal keeps the
+    real name. The lines the code spans (nested functions included) go along, so that
+    a traceback through it in another process shows them (:func:`_load_code`): the
+    receiver may not have the file (another host, a notebook cell).
+    """
+    first = code.co_firstlineno
+    lines = linecache.getlines(code.co_filename)[first - 1 : _last_line(code)]
+    return _load_code, (marshal.dumps(code), code.co_filename, first, lines)
+
+
+def _last_line(code: types.CodeType) -> int:
+    """The last source line of ``code`` and of the code nested in it."""
+    last = max((line for _, _, line in code.co_lines() if line is not None), default=0)
+    for const in code.co_consts:
+        if type(const) is types.CodeType:
+            last = max(last, _last_line(const))
+    return last
 
 
 class _BytesPickler(_Pickler):
@@ -696,6 +727,37 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- decoding ---------------------------------------------------------------------------
+
+
+def _load_code(data: bytes, filename: str, first: int, lines: list[str]) -> types.CodeType:
+    """Rebuild code from :func:`_reduce_code`, and give ``linecache`` its source lines.
+
+    The lines go under the code's own file name (``mtime`` None: ``linecache`` never
+    checks them against a file), over what is known of that file already; lines of
+    the file that no shipped code spans stay blank.
+    """
+    if lines:
+        _remember_lines(filename, first, lines)
+    code: types.CodeType = marshal.loads(data)
+    return code
+
+
+def _remember_lines(filename: str, first: int, lines: list[str]) -> None:
+    """Put ``lines`` at line ``first`` of ``filename`` in ``linecache``."""
+    entry = linecache.cache.get(filename)
+    known: list[str] = []
+    unchecked = False  # lines no file is checked against (mtime None), ours to change
+    if entry is not None and len(entry) == 4:
+        known, unchecked = entry[2], entry[1] is None
+    start, end = first - 1, first - 1 + len(lines)
+    if unchecked and known[start:end] == lines:
+        return  # already there (the same code shipped again)
+    if not unchecked:
+        known = list(known)
+    if len(known) < start:
+        known.extend("\n" for _ in range(start - len(known)))
+    known[start:end] = lines
+    linecache.cache[filename] = (0, None, known, filename)  # the size counts with an mtime
 
 
 def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import anyio
 
@@ -13,7 +14,8 @@ from . import _codec, _wire
 from ._errors import ActorError, DeadlockError, Failure, SupervisionError
 from ._runtime._calls import rank_label
 from ._runtime._context import is_local
-from ._runtime._runtime import Pending, Runtime, current_runtime
+from ._runtime._runtime import Payloads, Pending, Runtime, current_runtime
+from ._runtime._session import Stream, bridged
 from ._shape import Point, Shape
 from ._value_mesh import ValueMesh
 
@@ -26,25 +28,111 @@ __all__ = ["MeshEndpoint"]
 R = TypeVar("R")
 
 
-def _deadline(timeout: float | None) -> float:
+class _Deadline(NamedTuple):
+    """When an adverb gives up (``at``, on the event loop's clock), and the ``timeout``
+    it was given, for the message."""
+
+    at: float
+    timeout: float | None
+
+
+_NO_DEADLINE = _Deadline(math.inf, None)
+
+#: A timeout's message lists at most this many of the ranks that did not answer.
+_MAX_LISTED = 16
+
+
+def _deadline(timeout: float | None) -> _Deadline:
     if timeout is None:
-        return math.inf
+        return _NO_DEADLINE
     if timeout < 0:
         raise ValueError(f"timeout must be >= 0, got {timeout}")
-    return anyio.current_time() + timeout
+    return _Deadline(anyio.current_time() + timeout, timeout)
 
 
-async def _next(pending: Pending, deadline: float) -> tuple[int, bool, Any]:
-    if deadline == math.inf:
-        return await pending.next()
-    if pending.items:
-        return pending.items.popleft()
-    with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-        return await pending.next()
+def _ranks_text(ranks: list[int], called: int) -> str:
+    """``"rank 3"``, ``"ranks 3, 5 (of 8)"``: the first :data:`_MAX_LISTED` of
+    ``ranks``, out of ``called`` ranks."""
+    if called == 1 and len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    listed = ", ".join(map(str, ranks[:_MAX_LISTED]))
+    more = f" and {len(ranks) - _MAX_LISTED} more" if len(ranks) > _MAX_LISTED else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {listed}{more} (of {called})"
+
+
+def _scattered(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | str]:
+    """The positions and names of the arguments to scatter: the :class:`ValueMesh`
+    ones (not those passed :meth:`~ValueMesh.whole`). Usually none, found at little
+    cost."""
+    for arg in args:
+        if isinstance(arg, ValueMesh):
+            break
+    else:
+        for arg in kwargs.values():
+            if isinstance(arg, ValueMesh):
+                break
+        else:
+            return []
+    keys: list[int | str] = [
+        i for i, arg in enumerate(args) if isinstance(arg, ValueMesh) and arg._scatter
+    ]
+    if kwargs:
+        keys += [k for k, arg in kwargs.items() if isinstance(arg, ValueMesh) and arg._scatter]
+    return keys
+
+
+def _place(
+    args: tuple[Any, ...], kwargs: dict[str, Any], items: Sequence[tuple[int | str, Any]]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with each ``(position or name, value)`` of ``items`` put in."""
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for key, value in items:
+        if isinstance(key, int):
+            new_args[key] = value
+        else:
+            new_kwargs[key] = value
+    return tuple(new_args), new_kwargs
+
+
+class _RankArgs:
+    """One rank's arguments to a scattered call: those shared by every rank, pickled
+    once, and the rank's own elements. Unpickled, it is ``(args, kwargs)``."""
+
+    __slots__ = ("elements", "shared")
+
+    def __init__(self, shared: _codec.Payload, elements: list[tuple[int | str, Any]]) -> None:
+        self.shared = shared
+        self.elements = elements
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rank_args, (self.shared, self.elements))
+
+
+def _rank_args(
+    shared: _codec.Payload, elements: list[tuple[int | str, Any]]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """What a receiver unpickles for a :class:`_RankArgs`."""
+    args, kwargs = _codec.loads(shared.data, shared.buffers)
+    return _place(args, kwargs, elements)
 
 
 class MeshEndpoint(Generic[R]):
-    """One endpoint of an actor mesh (or a slice of one)."""
+    """One endpoint of an actor mesh (or a slice of one).
+
+    Per-rank arguments: an argument (positional or keyword) that is a
+    :class:`ValueMesh` is scattered, so each rank gets only its own element, the one at
+    its point; the ValueMesh must have the called mesh's (or slice's) shape. Results
+    of one mesh feed another of the same shape: ``await b.consume.call(await
+    a.produce.call())``; ``ValueMesh.of(mesh, values)`` makes one from a list. Only
+    arguments themselves are scattered, not ValueMeshes inside them; to pass a
+    ValueMesh whole to every rank, pass ``vm.whole()``.
+
+    A scattered call to several ranks skips the relay tree: each rank gets its own
+    request straight from the caller, so on a mesh large enough for a tree it is not
+    ordered behind requests still on their way down the tree. A scattered
+    ``broadcast`` goes down the tree (one message per rank, each along its rank's path)
+    and keeps its order.
+    """
 
     def __init__(self, mesh: ActorMesh[Any], desc: EndpointDescriptor[Any, R]) -> None:
         self._mesh = mesh
@@ -53,13 +141,130 @@ class MeshEndpoint(Generic[R]):
     def __repr__(self) -> str:
         return f"<endpoint {self._mesh.name}.{self._desc.name} over {self._mesh.sizes}>"
 
+    def _session_failure(self) -> Exception | None:
+        """See :meth:`amesh.ProcMesh._session_failure` (a session's failed mesh)."""
+        owner = self._mesh._owner
+        return owner._session_failure() if owner is not None else None
+
     def _encode(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], targets: dict[int, str] | None = None
-    ) -> _codec.Payload:
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        targets: dict[int, str],
+        shm: bool = True,
+    ) -> Payloads:
+        """The arguments for ``targets``, pickled: one payload for all, or one per
+        target rank when some are scattered. ``shm``: a payload for one receiver on
+        this host may put large buffers in shared memory (never for casts)."""
         self._desc.bind_check(args, kwargs)
+        keys = _scattered(args, kwargs)
+        if keys:
+            return self._encode_each(args, kwargs, keys, targets, shm)
         # one receiver on this host: large buffers may go through shared memory
-        shm = targets is not None and len(targets) == 1 and is_local(next(iter(targets.values())))
-        return _codec.dumps((args, kwargs), shm=shm)
+        shm = shm and len(targets) == 1 and is_local(next(iter(targets.values())))
+        return self._dump_args(args, kwargs, shm)
+
+    def _encode_each(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        keys: list[int | str],
+        targets: dict[int, str],
+        shm: bool,
+    ) -> Payloads:
+        """Scatter: each target rank gets its own element of the ValueMesh arguments
+        ``keys``; the other arguments are pickled once for all ranks."""
+        scattered = [(key, self._elements(key, args, kwargs)) for key in keys]
+
+        def own(rank: int) -> list[tuple[int | str, Any]]:
+            return [(key, elements[rank]) for key, elements in scattered]
+
+        if len(targets) == 1:
+            ((rank, addr),) = targets.items()
+            return self._dump_args(*_place(args, kwargs, own(rank)), shm and is_local(addr))
+        shared = self._dump_args(*_place(args, kwargs, [(key, None) for key in keys]), False)
+
+        def dump(rank: int, addr: str) -> _codec.Payload:
+            try:
+                return _codec.dumps(_RankArgs(shared, own(rank)), shm=shm and is_local(addr))
+            except TypeError:
+                self._dump_args(*_place(args, kwargs, own(rank)), False)  # names the culprit
+                raise
+
+        return {rank: dump(rank, addr) for rank, addr in targets.items()}
+
+    def _elements(self, key: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The elements of ValueMesh argument ``key``, in the called mesh's rank order.
+
+        Raises:
+            ValueError: it does not have the called mesh's shape.
+        """
+        vm: ValueMesh[Any] = args[key] if isinstance(key, int) else kwargs[key]
+        mesh = self._mesh
+        if vm.shape.labels != mesh.shape.labels or vm.shape.sizes != mesh.shape.sizes:
+            raise ValueError(
+                f"endpoint {self._desc.name}(): argument {self._arg_name(key)} is a "
+                f"ValueMesh over {vm.sizes}, but {mesh.name} is called over {mesh.sizes}: "
+                "a ValueMesh argument is scattered (each rank gets its own element), so "
+                "it needs the called mesh's shape; pass vm.whole() to send it whole"
+            )
+        return vm.values()
+
+    def _arg_name(self, key: int | str) -> str:
+        """How an error names argument ``key`` (a position or a keyword)."""
+        if isinstance(key, str):
+            return repr(key)
+        params = list(self._desc.signature.parameters.values())[1:]  # after self
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if key < len(params) and params[key].kind in positional:
+            return repr(params[key].name)
+        return f"#{key} (positional)"
+
+    async def _next(self, pending: Pending, deadline: _Deadline) -> tuple[int, bool, Any]:
+        """The next reply to ``pending``.
+
+        Raises:
+            TimeoutError: ``deadline`` passed; the message names the endpoint and the
+                (mesh) ranks that did not answer.
+        """
+        if deadline.at == math.inf:
+            return await pending.next()
+        if pending.items:
+            return pending.items.popleft()
+        try:
+            with anyio.fail_after(max(0.0, deadline.at - anyio.current_time())):
+                return await pending.next()
+        except TimeoutError:
+            silent = sorted(pending.mesh_rank(r) for r in pending.targets)
+            raise TimeoutError(
+                f"{self._mesh.name}.{self._desc.name}: no answer within {deadline.timeout:g} s"
+                f" from {_ranks_text(silent, pending.size)}"
+            ) from None
+
+    def _dump_args(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], shm: bool
+    ) -> _codec.Payload:
+        """Pickle a call's arguments.
+
+        Raises:
+            TypeError: one cannot be pickled; the message names it (only then are the
+                arguments pickled one by one, to find it).
+        """
+        try:
+            return _codec.dumps((args, kwargs), shm=shm)
+        except TypeError as exc:
+            named: list[tuple[str, Any]] = [(str(i), a) for i, a in enumerate(args)]
+            named += [(repr(k), v) for k, v in kwargs.items()]
+            what, why = "the arguments", exc.__cause__ or exc
+            for name, value in named:
+                try:
+                    _codec.dumps(value)
+                except TypeError as one:
+                    what, why = f"argument {name}", one.__cause__ or one
+                    break
+            raise TypeError(
+                f"cannot pickle {what} of {self._mesh.name}.{self._desc.name}: {why}"
+            ) from None
 
     def _where(self, rank: int) -> tuple[int, str]:
         """The mesh rank of called rank ``rank``, and how to name it in a message."""
@@ -91,8 +296,8 @@ class MeshEndpoint(Generic[R]):
         rt: Runtime,
         targets: dict[int, str],
         shape: Shape,
-        payload: _codec.Payload,
-        deadline: float,
+        payload: Payloads,
+        deadline: _Deadline,
     ) -> AsyncGenerator[tuple[int, Any], None]:
         pending = rt.open_call(self._mesh.key, targets, self._mesh._shape.slots)
         done = False
@@ -102,7 +307,7 @@ class MeshEndpoint(Generic[R]):
                 pending, self._desc.name, labels, sizes, payload, self._mesh._tree()
             )
             for _ in range(len(targets)):
-                rank, ok, value = await _next(pending, deadline)
+                rank, ok, value = await self._next(pending, deadline)
                 if not ok:
                     self._raise(shape, rank, value)
                 yield rank, _codec.loads(*value)
@@ -110,17 +315,23 @@ class MeshEndpoint(Generic[R]):
         finally:
             rt.close_call(pending, cancel=not done)
 
+    @bridged
     async def call(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh[R]:
         """Call every rank; returns their results as a :class:`ValueMesh`.
 
-        The first error cancels the rest of the call (locally and remotely).
+        The first error cancels the rest of the call (locally and remotely). A
+        :class:`ValueMesh` argument is scattered: each rank gets its own element (see
+        :class:`MeshEndpoint`).
 
         Raises:
             TypeError: the arguments do not fit the endpoint (nothing was sent), or
-                cannot be pickled.
+                one cannot be pickled (the message names it).
+            ValueError: a ValueMesh argument does not have the called mesh's shape
+                (nothing was sent).
             ActorError: an endpoint raised.
             SupervisionError: a rank's process or actor failed.
-            TimeoutError: ``timeout`` seconds passed.
+            TimeoutError: ``timeout`` seconds passed; the message names the ranks that
+                did not answer.
         """
         mesh = self._mesh
         targets = mesh._targets()
@@ -137,11 +348,12 @@ class MeshEndpoint(Generic[R]):
             await gen.aclose()
         return ValueMesh(shape, results)
 
+    @bridged
     async def call_one(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         """Call a mesh of exactly one rank and return its result.
 
         Raises:
-            ValueError: the mesh does not have exactly one rank.
+            ValueError: the mesh does not have exactly one rank, or as :meth:`call`.
             ActorError, SupervisionError, TimeoutError, TypeError: as :meth:`call`.
         """
         mesh = self._mesh
@@ -160,7 +372,7 @@ class MeshEndpoint(Generic[R]):
         done = False
         try:
             await rt.send_requests(pending, self._desc.name, labels, sizes, payload, mesh._tree())
-            rank, ok, value = await _next(pending, deadline)
+            rank, ok, value = await self._next(pending, deadline)
             if not ok:
                 self._raise(Shape(labels, sizes), rank, value)
             result: R = _codec.loads(*value)
@@ -169,8 +381,12 @@ class MeshEndpoint(Generic[R]):
         finally:
             rt.close_call(pending, cancel=not done)
 
+    @bridged
     async def choose(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
-        """Call one rank: the one with the fewest calls in flight from this caller."""
+        """Call one rank: the one with the fewest calls in flight from this caller.
+
+        It gets its own element of a scattered (:class:`ValueMesh`) argument.
+        """
         self._desc.bind_check(args, kwargs)
         deadline = _deadline(timeout)
         rt = current_runtime()
@@ -193,49 +409,62 @@ class MeshEndpoint(Generic[R]):
             await gen.aclose()
         raise AssertionError("unreachable: a call to one rank yields once")
 
-    async def stream(
+    def stream(
         self, *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> AsyncIterator[tuple[Point, R]]:
-        """Call every rank and yield ``(point, result)`` in arrival order.
+    ) -> Stream[tuple[Point, R]]:
+        """Call every rank and yield ``(point, result)`` in arrival order: ``async for
+        point, value in ep.stream(...)`` (or a plain ``for`` in synchronous code).
 
-        Leaving the loop early cancels the ranks that have not answered.
+        Leaving the loop early cancels the ranks that have not answered. Arguments are
+        scattered as for :meth:`call`.
         """
-        payload = self._encode(args, kwargs)
+        return Stream(lambda: self._stream(args, timeout, kwargs))
+
+    async def _stream(
+        self, args: tuple[Any, ...], timeout: float | None, kwargs: dict[str, Any]
+    ) -> AsyncGenerator[tuple[Point, R], None]:
+        mesh = self._mesh
+        targets = mesh._targets()
+        payload = self._encode(args, kwargs, targets)
         deadline = _deadline(timeout)
         rt = current_runtime()
-        mesh = self._mesh
         shape = Shape(mesh.shape.labels, mesh.shape.sizes)
-        gen = self._gather(rt, mesh._targets(), shape, payload, deadline)
+        gen = self._gather(rt, targets, shape, payload, deadline)
         try:
             async for rank, value in gen:
                 yield shape.point(rank), value
         finally:
             await gen.aclose()
 
+    @bridged
     async def broadcast(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
         """Send to every rank without waiting for results.
 
         Returns once the messages are handed to the transport (back-pressure: it
         waits while a rank has a full window of this sender's broadcasts unread). An
         exception in the endpoint is a supervision failure reported to the owner.
+        Arguments are scattered as for :meth:`call`.
 
         Raises:
+            ValueError: a ValueMesh argument does not have the mesh's shape (nothing
+                was sent).
             TimeoutError: flow control held the broadcast for ``timeout`` seconds;
                 ranks already handed the message keep it.
             SupervisionError: a rank of the mesh is known to be dead.
         """
         deadline = _deadline(timeout)
-        payload = self._encode(args, kwargs)
-        rt = current_runtime()
         mesh = self._mesh
+        targets = mesh._targets()
+        payload = self._encode(args, kwargs, targets, shm=False)
+        rt = current_runtime()
         shape = mesh.shape
         await rt.send_casts(
             mesh.key,
-            mesh._targets(),
+            targets,
             self._desc.name,
             list(shape.labels),
             list(shape.sizes),
             payload,
             mesh._tree(),
-            deadline,
+            deadline.at,
         )

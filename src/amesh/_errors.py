@@ -64,7 +64,9 @@ class ActorError(Exception):
     Attributes:
         type_name: qualified name of the remote exception type.
         message: ``str()`` of the remote exception.
-        traceback: the remote traceback, formatted.
+        traceback: the remote traceback, formatted: the user's frames, with the source
+            lines of code shipped by value too; amesh's own frames only with
+            ``AMESH_DEBUG=1`` in the worker's environment.
         actor: the name of the actor mesh that was called.
         point: the coordinates of the failing rank in the mesh (or slice) that was
             called, with ``"rank"``.

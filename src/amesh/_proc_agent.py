@@ -5,13 +5,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import msgspec
 
-from . import _codec
+from . import _codec, _reload
 from ._actor import Actor, endpoint, handlers_of
+from ._runtime._capture import output_identity
 from ._runtime._context import CallContext, call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import current_runtime
@@ -36,8 +38,12 @@ def _parent_death_signal() -> int:
 class ProcAgent(Actor):
     """Lives under :data:`AGENT_KEY` in every worker."""
 
-    def __init__(self, shutdown: anyio.Event) -> None:
+    def __init__(self, shutdown: anyio.Event, adopt: Callable[[str], None] | None = None) -> None:
         self._shutdown = shutdown
+        self._adopt = adopt
+        #: replaced actors kept for their successor's ``__reload__``, by mesh name
+        self._retired: dict[str, Any] = {}
+        self._code = _reload.CodeTracker()
 
     @endpoint
     def spawn_actor(
@@ -53,9 +59,12 @@ class ProcAgent(Actor):
         """Construct an actor (``__init__`` runs here) and start its mailbox.
 
         ``ranks[i]`` is the rank in the actor mesh (of shape ``labels``/``sizes``) of
-        the agent that is rank ``i`` of this call.
+        the agent that is rank ``i`` of this call. An actor of the same name that
+        :meth:`stop_actor` kept (``hand_over``) is passed to the new one's
+        ``__reload__`` once its ``__init__`` returned.
         """
         rt = current_runtime()
+        old = self._retired.pop(name, None)
         cls, args, kwargs = _codec.loads(payload.data, payload.buffers)
         ctx = call_context.get()
         assert ctx is not None
@@ -63,21 +72,54 @@ class ProcAgent(Actor):
         point = Shape(labels, sizes).point(rank)
         obj = cls.__new__(cls)
         token = call_context.set(CallContext(obj, point, ctx.sender, ctx.call_id))
+        whose = output_identity.set((name, rank))  # what __init__ prints is the actor's
         try:
             obj.__init__(*args, **kwargs)
+            if old is not None and hasattr(obj, "__reload__"):
+                obj.__reload__(old)
         finally:
+            output_identity.reset(whose)
             call_context.reset(token)
         rt.add_actor(ActorInstance(rt, key, name, obj, handlers_of(cls), owner, rank))
         return rt.pid
 
     @endpoint
-    async def stop_actor(self, key: str) -> bool:
-        """Stop taking messages, finish the queued ones, run ``__cleanup__``."""
-        inst = current_runtime().remove_actor(key)
+    async def stop_actor(self, key: str, replaced: bool = False, hand_over: bool = False) -> bool:
+        """Stop taking messages, finish the queued ones, run ``__cleanup__``.
+
+        Requests that still come for it are answered with an error that says it was
+        stopped, or ``replaced``. ``hand_over``: keep the stopped actor for the
+        ``__reload__`` of the next actor of its name spawned here.
+        """
+        rt = current_runtime()
+        inst = rt.remove_actor(key)
         if inst is None:
             return False
-        await inst.stop()
+        rt.dispatch.gone(
+            key,
+            f"actor mesh {inst.name!r} was replaced (use the ActorMesh that "
+            "spawn(..., replace=True) returned)"
+            if replaced
+            else f"actor mesh {inst.name!r} was stopped",
+        )
+        whose = output_identity.set((inst.name, inst.rank))  # what __cleanup__ prints
+        try:
+            await inst.stop()
+        finally:
+            output_identity.reset(whose)
+        if hand_over:
+            self._retired[inst.name] = inst.obj
         return True
+
+    @endpoint
+    def code_versions(self, modules: list[str]) -> dict[str, tuple[str, str]]:
+        """For :meth:`ProcMesh.sync_code`: see :meth:`amesh._reload.CodeTracker.versions`."""
+        return self._code.versions(modules)
+
+    @endpoint
+    def load_code(self, updates: list[_reload.Update]) -> list[str]:
+        """For :meth:`ProcMesh.sync_code`: see :meth:`amesh._reload.CodeTracker.load`."""
+        return self._code.load(updates)
 
     @endpoint
     def statistics(self) -> dict[str, Any]:
@@ -85,6 +127,18 @@ class ProcAgent(Actor):
         stats = msgspec.structs.asdict(current_runtime().statistics())
         stats["parent_death_signal"] = _parent_death_signal()
         return stats
+
+    @endpoint
+    def adopt(self) -> int:
+        """The caller owns this worker from now on (a controller that took over a
+        persistent mesh): heartbeats, death notices and failure reports go to it.
+        Returns the pid."""
+        ctx = call_context.get()
+        assert ctx is not None
+        if self._adopt is None:
+            raise RuntimeError("this process cannot change its owner")
+        self._adopt(ctx.sender)
+        return current_runtime().pid
 
     @endpoint
     def shutdown(self) -> None:

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import re
 import uuid
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, TypeVar
@@ -34,17 +36,18 @@ from typing import Any, TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
-from . import _codec
+from . import _codec, _reload
 from ._actor import Actor
 from ._actor_mesh import ActorMesh
 from ._config import default_fanout, default_transport, env_float
 from ._errors import ActorError, Failure, SupervisionError
-from ._mesh._host import Host, default_host
+from ._mesh._host import Holder, Host, ProcHandle, default_host, persistent_host
 from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned
 from ._mesh._supervisor import MeshSupervisor
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime._context import call_context, runtime_var
 from ._runtime._mailbox import ActorInstance
+from ._runtime._output import output_mode
 from ._runtime._runtime import (
     Runtime,
     current_runtime,
@@ -52,6 +55,7 @@ from ._runtime._runtime import (
     open_runtime,
     pass_cancellation,
 )
+from ._runtime._session import Op, bridged, bridged_always
 from ._shape import Shape
 from ._supervision import RestartPolicy, Supervisor, restart_policy
 from ._transport import open_transport
@@ -61,6 +65,7 @@ __all__ = ["ProcMesh", "default_transport"]
 
 A = TypeVar("A", bound=Actor)
 log = logging.getLogger("amesh.mesh")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 
 
 class ProcMesh(MeshView):
@@ -88,6 +93,21 @@ class ProcMesh(MeshView):
             down a relay tree of the workers with this fan-out, and replies come back
             up it in batches (``AMESH_FANOUT``, default 16; 0 sends to every rank
             directly).
+        name: the mesh's name (letters, digits, ``._-``); a persistent mesh needs one.
+        persistent: the processes outlive this controller, held by a host agent
+            (this machine's local agent, started on demand, unless ``host`` is a
+            :class:`~amesh.HostMesh`'s), until :meth:`stop` or ``amesh stop NAME``.
+            Leaving its owner (the ``async with`` block, the actor, ``amesh.run``)
+            only lets go of it. Another controller takes it over with
+            :func:`amesh.attach_mesh`. Its processes are started with the
+            local key of persistent meshes (see :mod:`amesh._hosts._home`).
+        output: what becomes of the workers' stdout, stderr, warnings and logging
+            (``AMESH_OUTPUT``, default ``"folded"``): printed here, each line after
+            its actor mesh's name and the actor's rank (``[trainers 3] ...``; outside
+            handlers, this mesh's name, ``procs`` by default, and the process's slot),
+            the same line from several ranks once (``[trainers 0-15] ...``);
+            ``"raw"``: every line as it comes; ``"off"``: dropped (see
+            :mod:`amesh._runtime._output`).
     """
 
     def __init__(
@@ -100,7 +120,25 @@ class ProcMesh(MeshView):
         heartbeat_period: float | None = None,
         heartbeat_timeout: float | None = None,
         fanout: int | None = None,
+        name: str | None = None,
+        persistent: bool = False,
+        output: str | None = None,
     ) -> None:
+        if name is not None and not _NAME.fullmatch(name):
+            raise ValueError(
+                f"a mesh name has 1 to 100 letters, digits, '.', '_' or '-', not {name!r:.60}"
+            )
+        if persistent and name is None:
+            raise ValueError("a persistent ProcMesh needs a name (name=...)")
+        holder = getattr(host, "mesh_name", None) == name
+        if persistent and host is not None and not holder and host is not default_host():
+            raise ValueError(
+                "a persistent ProcMesh runs on host agents: leave host= out (this "
+                "machine's agent) or use hosts.spawn_procs(..., persistent=True)"
+            )
+        self.name = name
+        self._persistent = persistent
+        self._detacher: _Detacher | None = None
         self._fanout = default_fanout() if fanout is None else fanout
         if self._fanout < 0 or self._fanout == 1:
             raise ValueError(f"fanout must be 0 (no tree) or at least 2, got {self._fanout}")
@@ -115,7 +153,13 @@ class ProcMesh(MeshView):
         if self._hb_period <= 0 or self._hb_timeout <= self._hb_period:
             raise ValueError("need 0 < heartbeat_period < heartbeat_timeout")
         self._life = Lifecycle(
-            self._host, self._env, self._hb_period, f"ProcMesh {self.sizes}", self._hb_timeout
+            self._host,
+            self._env,
+            self._hb_period,
+            f"ProcMesh {self.sizes}",
+            self._hb_timeout,
+            output=output_mode(output),
+            name=name or "procs",
         )
         self._sup: MeshSupervisor | None = None
         self._state: MeshState | None = None
@@ -133,7 +177,13 @@ class ProcMesh(MeshView):
         return view
 
     def __repr__(self) -> str:
-        return f"<ProcMesh {self.sizes}>"
+        named = f" {self.name!r}" if self.name else ""
+        return f"<ProcMesh{named} {self.sizes}>"
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the processes outlive their controller (see ``persistent=``)."""
+        return self._persistent
 
     def _live(self) -> MeshState:
         if self._state is None:
@@ -156,12 +206,14 @@ class ProcMesh(MeshView):
         """How many restarts the restart policies of this mesh have done."""
         return self._live().restarts
 
+    @bridged
     async def ready(self) -> None:
         """Wait until no restart is in progress (returns at once when healthy)."""
         st = self._live()
         while st.restarting:
             await st.restarted.wait()
 
+    @bridged
     async def statistics(self) -> ValueMesh[dict[str, Any]]:
         """Each worker's runtime counters (frames dropped, bad versions, calls, ...)."""
         return await self._agents(self._live()).statistics.call()
@@ -197,7 +249,26 @@ class ProcMesh(MeshView):
         return self
 
     def __await__(self) -> Generator[Any, None, ProcMesh]:
-        return self._start_owned().__await__()
+        return Op(ProcMesh._start_owned, (self,), {}, check_failed=False).__await__()
+
+    def get(self, timeout: float | None = None) -> ProcMesh:
+        """Start the processes, blocking this thread (synchronous code, outside any
+        runtime: the session owns the mesh); see :class:`~amesh.Op`."""
+        return Op(ProcMesh._start_owned, (self,), {}, check_failed=False).get(timeout)
+
+    def _session_failure(self) -> SupervisionError | None:
+        """The unhandled failures of a mesh the session owns (it has no body to cancel:
+        every later use raises them)."""
+        st = self._state
+        if st is None or not st.unhandled or st.runtime.on_root_failure is None:
+            return None
+        failures = list(st.unhandled)
+        return SupervisionError(
+            f"{len(failures)} unhandled supervision failure(s) in {self!r}: "
+            + "; ".join(str(f).splitlines()[0] for f in failures)
+            + " (stop it and start another)",
+            failures,
+        )
 
     async def _start_owned(self) -> ProcMesh:
         self._check_fresh()
@@ -207,10 +278,9 @@ class ProcMesh(MeshView):
         if owner is not None and owner.tg is not None:
             self._owner = owner
             await self._start(rt, owner.tg)
-            owner.owned.append(self)
         else:
             await self._start(rt, rt.task_group)
-            rt.owned.append(self)
+        self._own(rt)
         return self
 
     async def _start(self, rt: Runtime, tg: TaskGroup) -> None:
@@ -218,8 +288,21 @@ class ProcMesh(MeshView):
         # controller's workers die with it, so nobody else ever removes them. Once per
         # mesh (restarts need not look again).
         _codec.sweep_segments()
+        if self._persistent and getattr(self._host, "mesh_name", None) != self.name:
+            assert self.name is not None
+            self._set_host(await persistent_host(self.name, len(self._shape)))
         handles = await self._life.start_procs(rt, list(range(len(self._shape))))
         st = self._state = MeshState(rt, tg, handles)
+        self._supervise_state(st)
+        if self._persistent:
+            st.publish = self._publish
+            await self._publish()
+
+    def _set_host(self, host: Host) -> None:
+        self._host = self._life.host = host
+        self._group = getattr(host, "per_host", 0)
+
+    def _supervise_state(self, st: MeshState) -> None:
         self._sup = MeshSupervisor(
             self._life.label,
             self._life,
@@ -230,6 +313,133 @@ class ProcMesh(MeshView):
             self._hb_timeout,
         )
         self._sup.start(st)
+
+    # -- persistent meshes ----------------------------------------------------------
+
+    def _record(self, st: MeshState) -> dict[str, Any]:
+        """What another controller needs to take this mesh over."""
+        actors = []
+        for key, sp in st.spawned.items():
+            cls = _codec.dumps(sp.mesh.actor_class)
+            actors.append(
+                {
+                    "name": sp.mesh.name,
+                    "key": key,
+                    "cls": bytes(cls.data) if not cls.buffers else b"",
+                    "class": sp.mesh.actor_class.__qualname__,
+                }
+            )
+        return {
+            "name": self.name,
+            "labels": list(self._shape.labels),
+            "sizes": list(self._shape.sizes),
+            "fanout": self._fanout,
+            "heartbeat": [self._hb_period, self._hb_timeout],
+            "procs": [[p.addr, p.pid] for p in st.procs],
+            "actors": actors,
+            "controller": st.runtime.address,
+            "controller_pid": st.runtime.pid,
+        }
+
+    async def _publish(self) -> None:
+        st = self._state
+        if st is None or st.closing:
+            return
+        holder: Holder = self._host  # type: ignore[assignment]
+        await holder.hold(self._record(st))
+
+    async def _adopt(self, handles: list[ProcHandle], actors: list[dict[str, Any]]) -> None:
+        """Own ``handles`` (the running processes of this persistent mesh, which
+        another controller started) and its actor meshes ``actors`` (from its record)."""
+        self._check_fresh()
+        rt = current_runtime()
+        ctx = call_context.get()
+        owner = ctx.instance if ctx is not None else None
+        tg = rt.task_group
+        if owner is not None and owner.tg is not None:
+            self._owner, tg = owner, owner.tg
+        st = self._state = MeshState(rt, tg, handles)
+        for a in actors:
+            cls: type[Actor] = _Unknown
+            try:
+                if a["cls"]:
+                    cls = _codec.loads(a["cls"])
+            except Exception as exc:  # a module this process cannot import
+                log.info("cannot load the class of actor mesh %r: %s", a["name"], exc)
+            mesh = ActorMesh(
+                a["name"], a["key"], cls, self._shape, st.addrs, self._fanout, self._group
+            )
+            mesh._owner = self
+            st.spawned[a["key"]] = Spawned(mesh, _codec.dumps((cls, (), {})), None)
+        self._supervise_state(st)
+        assert self._sup is not None
+        for key in st.spawned:
+            rt.failure_handlers[key] = self._sup.on_actor_failure
+        self._life.attach_output(rt, handles)
+        running = [p for p in handles if p.returncode is None]
+        if running:
+            # from now on their heartbeats, deaths, failure reports and output come here
+            await self._life.agents_of(running).adopt.call()
+        self._own(rt)
+        st.publish = self._publish
+        await self._publish()
+
+    def _own(self, rt: Runtime) -> None:
+        """Be stopped (a persistent mesh: let go of) with the owner."""
+        owned: Any = self
+        if self._persistent:
+            owned = self._detacher = _Detacher(self)
+        if self._owner is not None:
+            self._owner.owned.append(owned)
+        else:
+            rt.owned.append(owned)
+
+    def _detach(self) -> None:
+        """Let go of a persistent mesh without stopping it (its owner is leaving)."""
+        st = self._state
+        if st is None or st.closing:
+            return
+        st.closing = True
+        rt = st.runtime
+        for p in st.procs:
+            p.expected_exit = True
+            rt.peers.unwatch(p.addr)
+        for key in st.spawned:
+            rt.failure_handlers.pop(key, None)
+        self._life.close_output()
+        if self._scoped:
+            st.tg.cancel_scope.cancel()  # the watches of the processes
+        st.closed.set()
+
+    @bridged
+    async def actor_mesh(self, name: str, actor_class: type[A] | None = None) -> ActorMesh[A]:
+        """The live actor mesh of this ProcMesh named ``name`` (one taken over with a
+        persistent mesh, or one spawned here).
+
+        Args:
+            actor_class: its class, when this process cannot load the one recorded
+                with the mesh (a class of a module it cannot import).
+
+        Raises:
+            LookupError: there is none.
+        """
+        st = self._live()
+        for sp in st.spawned.values():
+            mesh = sp.mesh
+            if mesh.name == name:
+                cls = actor_class or mesh.actor_class
+                if cls is _Unknown:
+                    raise LookupError(
+                        f"the class of actor mesh {name!r} cannot be loaded here: pass it "
+                        "as actor_mesh(name, actor_class=...)"
+                    )
+                found = ActorMesh(
+                    mesh.name, mesh.key, cls, mesh.shape, st.addrs, self._fanout, self._group
+                )
+                found._owner = self
+                return found
+        known = ", ".join(sorted(sp.mesh.name for sp in st.spawned.values())) or "none"
+        raise LookupError(f"{self!r} has no actor mesh named {name!r} (there are: {known})")
 
     # -- stopping -------------------------------------------------------------------------
 
@@ -246,7 +456,10 @@ class ProcMesh(MeshView):
         with anyio.CancelScope(shield=True):
             if remote and self._sup is not None:
                 await self._sup.settle(st)
-            await self._life.shutdown(st)
+            if self._persistent:
+                self._detach()
+            else:
+                await self._life.shutdown(st)
         passed = pass_cancellation(exc_type, exc, tb)
         suppressed = bool(await stack.__aexit__(*passed)) and passed[1] is not None
         if st.unhandled and (exc is None or suppressed or remote or is_supervision(exc)):
@@ -259,16 +472,18 @@ class ProcMesh(MeshView):
                 + "; ".join(str(f).splitlines()[0] for f in failures),
                 failures,
             )
-            if remote:
-                raise error from exc
-            raise error
+            # Not the body's cancellation as context: that is how the failure stopped
+            # the body, amesh's business, not the user's.
+            raise error from (exc if remote else None)
         return suppressed
 
+    @bridged_always
     async def stop(self) -> None:
         """Stop every actor and process of this mesh (idempotent).
 
         An ``async with`` mesh stops at the block's exit; an awaited one stops with
-        its owner, or earlier through this method.
+        its owner, or earlier through this method. A persistent mesh stops only
+        through this method (or ``amesh stop NAME``), and is forgotten by its agents.
         """
         if not self._root:
             raise RuntimeError("stop the ProcMesh itself, not a slice of it")
@@ -277,39 +492,59 @@ class ProcMesh(MeshView):
             return
         with anyio.CancelScope(shield=True):
             await self._life.shutdown(st)
+            if self._persistent:
+                holder: Holder = self._host  # type: ignore[assignment]
+                try:
+                    await holder.release()
+                except (ActorError, SupervisionError) as exc:
+                    log.warning("forgetting persistent mesh %r: %s", self.name, exc)
         rt = st.runtime
-        if self in rt.owned:
-            rt.owned.remove(self)
-        if self._owner is not None and self in self._owner.owned:
-            self._owner.owned.remove(self)
+        owned = self._detacher or self
+        if owned in rt.owned:
+            rt.owned.remove(owned)
+        if self._owner is not None and owned in self._owner.owned:
+            self._owner.owned.remove(owned)
 
     def _agents(self, st: MeshState) -> ActorMesh[ProcAgent]:
         return ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, self._shape, st.addrs)
 
     # -- actors -------------------------------------------------------------------------
 
+    @bridged
     async def spawn(
         self,
         name: str,
         actor_class: type[A],
         *args: Any,
         restart: RestartPolicy | str | None = None,
+        replace: bool = False,
         **kwargs: Any,
     ) -> ActorMesh[A]:
         """Spawn one ``actor_class(*args, **kwargs)`` per rank of this mesh.
 
         Returns after ``__init__`` ran on every rank.
 
+        With ``replace=True``, a live actor mesh of this name is stopped first (its
+        ``__cleanup__`` runs) and the new one takes its place on the same processes,
+        which keep running, with their other actors and what they loaded: hot reload
+        from a notebook, where a class redefined in a cell travels by value. Calls
+        through handles of the replaced mesh fail with an error that says so. If the
+        new class defines ``__reload__(self, old)``, it is called on each process
+        where both run, after ``__init__``, with the replaced (stopped) actor, to take
+        over its state.
+
         Args:
             name: the actor mesh's name, unique among this ProcMesh's live meshes.
             actor_class: a subclass of :class:`~amesh.Actor`.
             restart: a :class:`~amesh.RestartPolicy` (or ``"one_for_one"`` /
                 ``"one_for_all"``): restart failed processes instead of escalating.
+            replace: replace the live actor mesh named ``name``, if there is one.
 
         Raises:
             TypeError: ``actor_class`` is not an Actor, or the arguments do not fit its
                 ``__init__`` (nothing is sent).
-            ValueError: a live actor mesh of this ProcMesh already has ``name``.
+            ValueError: a live actor mesh of this ProcMesh already has ``name`` (and
+                ``replace`` is false).
             SupervisionError: ``__init__`` raised on some rank; its ``__cause__`` is the
                 :class:`ActorError` with the remote traceback.
         """
@@ -321,13 +556,20 @@ class ProcMesh(MeshView):
             raise ValueError(
                 f"an actor mesh needs a name of 1 to 1000 characters, not {name!r:.60}"
             )
-        if any(s.mesh.name == name for s in st.spawned.values()):
-            raise ValueError(f"this ProcMesh already has an actor mesh named {name!r}")
+        old = next((s.mesh for s in st.spawned.values() if s.mesh.name == name), None)
+        if old is not None and not replace:
+            raise ValueError(
+                f"this ProcMesh already has an actor mesh named {name!r} "
+                "(spawn(..., replace=True) replaces it)"
+            )
         try:
             inspect.signature(actor_class).bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{actor_class.__qualname__}(): {exc}") from None
         payload = _codec.dumps((actor_class, args, kwargs))
+        if old is not None:
+            hand_over = set(self._shape.slots) if hasattr(actor_class, "__reload__") else set()
+            await self._stop_spawned(st, old, replaced=True, hand_over=hand_over)
         key = f"{name}-{uuid.uuid4().hex[:12]}"
         mesh = ActorMesh(name, key, actor_class, self._shape, st.addrs, self._fanout, self._group)
         mesh._owner = self
@@ -345,17 +587,100 @@ class ProcMesh(MeshView):
                     pass
             del st.spawned[key]
             st.runtime.failure_handlers.pop(key, None)
+            if old is not None and st.publish is not None:
+                await st.publish()  # the replaced mesh is gone too
             raise SupervisionError(
                 f"{actor_class.__qualname__}.__init__ failed for actor mesh {name!r}: {exc}",
                 [Failure(f"actor {name!r}", int(exc.point.get("rank", 0)), None, str(exc))],
             ) from exc
+        if st.publish is not None:
+            await st.publish()
         return mesh
 
     async def _stop_actor_mesh(self, mesh: ActorMesh[Any]) -> None:
         st = self._live()
         if mesh.key not in st.spawned:
             raise ValueError(f"{mesh!r} is not owned by this ProcMesh (or already stopped)")
+        await self._stop_spawned(st, mesh)
+        if st.publish is not None:
+            await st.publish()
+
+    async def _stop_spawned(
+        self,
+        st: MeshState,
+        mesh: ActorMesh[Any],
+        replaced: bool = False,
+        hand_over: set[int] | None = None,
+    ) -> None:
+        """Stop actor mesh ``mesh`` on the live processes (its ``__cleanup__`` runs).
+
+        Args:
+            replaced: it is being replaced (what calls through its handles are told).
+            hand_over: the slots whose processes keep the stopped actor for the
+                ``__reload__`` of its replacement.
+        """
         del st.spawned[mesh.key]
-        alive = [p for p in st.procs if p.addr not in st.runtime.dead]
-        await self._life.agents_of(alive).stop_actor.call(mesh.key)
+        alive = [(slot, p) for slot, p in enumerate(st.procs) if p.addr not in st.runtime.dead]
+        agents = self._life.agents_of([p for _, p in alive])
+        keep: bool | ValueMesh[bool] = False
+        if hand_over:
+            keep = ValueMesh.of(agents, [slot in hand_over for slot, _ in alive])
+        await agents.stop_actor.call(mesh.key, replaced, keep)
         st.runtime.failure_handlers.pop(mesh.key, None)
+
+    @bridged
+    async def sync_code(
+        self, paths: Iterable[str | os.PathLike[str]] | None = None
+    ) -> ValueMesh[list[str]]:
+        """Push the controller's changed project modules to the workers, and reload
+        them there: edit a ``.py`` file of the project and carry on with the same
+        processes.
+
+        The project's modules are the loaded modules whose file is under ``paths``
+        (by default the current directory), except the running script and modules of
+        the environment (``sys.prefix``, ``site-packages``) or of amesh. A worker
+        reloads those it imported whose source differs from the controller's file (a
+        content hash): from its own file when that already holds the controller's
+        source (the same host, or a shared file system), else from the source sent,
+        which its tracebacks then show. Nothing is written to a worker's disk, and
+        modules a worker has not imported are left alone.
+
+        Reloading is :func:`importlib.reload`'s: the module's code runs again in the
+        same module object. Objects made before keep their old class, actors
+        included: respawn those with ``replace=True`` to get the new code::
+
+            await procs.sync_code()
+            await procs.spawn("trainer", mymod.Trainer, replace=True)
+
+        (``mymod.Trainer`` travels by reference and is looked up in the reloaded
+        module; reload ``mymod`` in the controller too, ``importlib.reload(mymod)``,
+        when endpoints were added.)
+
+        Returns:
+            The names of the modules each process reloaded.
+
+        Raises:
+            ActorError: a module failed to reload (an ``ImportError`` naming it).
+        """
+        st = self._live()
+        sources = await anyio.to_thread.run_sync(_reload.project_sources, paths)
+        agents = self._agents(st)
+        versions = await agents.code_versions.call(list(sources))
+        updates = [_reload.updates_for(sources, v) for v in versions.values()]
+        if not any(updates):
+            return ValueMesh.of(self, [[] for _ in updates])
+        return await agents.load_code.call(ValueMesh.of(agents, updates))
+
+
+class _Unknown(Actor):
+    """Stands for an actor class that could not be loaded (see ``actor_mesh``)."""
+
+
+class _Detacher:
+    """Stands for a persistent mesh among what its owner stops: lets go of it."""
+
+    def __init__(self, mesh: ProcMesh) -> None:
+        self._mesh = mesh
+
+    async def stop(self) -> None:
+        self._mesh._detach()

@@ -52,16 +52,47 @@ class MeshView:
 
 
 class ValueMesh(MeshView, Generic[T]):
-    """Results of a ``call``, shaped like the mesh that was called.
+    """Results of a ``call``, shaped like the mesh that was called; or one argument per
+    rank of a call.
+
+    An argument of a call that is a ValueMesh is scattered: each rank of the called
+    mesh gets only its own element, the one at its point (the ValueMesh must have the
+    called mesh's shape). So the results of one mesh's call can feed another mesh of
+    the same shape: ``await b.consume.call(await a.produce.call())``. To pass a
+    ValueMesh itself to every rank, pass :meth:`whole`.
 
     Args:
         shape: the shape; its slots index ``values``.
         values: one value per slot.
     """
 
+    #: scattered when passed as an argument (False for :meth:`whole`)
+    _scatter = True
+
     def __init__(self, shape: Shape, values: Sequence[T]) -> None:
         self._shape = shape
         self._values = list(values)
+
+    @classmethod
+    def of(cls, mesh: MeshView | Shape, values: Sequence[T]) -> ValueMesh[T]:
+        """One value per rank of ``mesh`` (a process, actor or value mesh, a slice of
+        one, or a :class:`Shape`), in rank order: ``ValueMesh.of(trainers, shards)``.
+
+        Raises:
+            ValueError: ``values`` does not have one value per rank.
+        """
+        shape = mesh if isinstance(mesh, Shape) else mesh.shape
+        if len(values) != len(shape):
+            raise ValueError(
+                f"{len(values)} values for a mesh of {len(shape)} ranks {shape.size_dict()}"
+            )
+        return cls(Shape(shape.labels, shape.sizes), values)
+
+    def whole(self) -> ValueMesh[T]:
+        """This ValueMesh as one argument that every rank gets whole, not scattered."""
+        view = ValueMesh(self._shape, self._values)
+        view._scatter = False
+        return view
 
     def _with_shape(self, shape: Shape) -> ValueMesh[T]:
         return ValueMesh(shape, self._values)

@@ -34,9 +34,14 @@ from ._transport._frame import Frame, frame_size, join
 
 __all__ = [
     "ADDRESS_PATTERN",
+    "LOG",
     "MAGIC",
+    "MAX_LINE",
     "MAX_NAME",
+    "MAX_OUTPUT_LINES",
     "MAX_TEXT",
+    "STDERR",
+    "STDOUT",
     "VERSION",
     "Address",
     "Call",
@@ -49,6 +54,8 @@ __all__ = [
     "FailureReport",
     "Gathered",
     "Heartbeat",
+    "Output",
+    "OutputLine",
     "Prune",
     "Ready",
     "Relay",
@@ -108,6 +115,10 @@ MAX_RANKS = 1 << 20
 MAX_BUFFERS = MAX_RANKS
 #: The largest buffer a frame can hold (a stream frame's length is a u32).
 MAX_BUFFER = 2**32 - 1
+#: Limits of worker output (:class:`Output`): characters of one line (a log record's
+#: whole text), and lines of one frame.
+MAX_LINE = 64 * 1024
+MAX_OUTPUT_LINES = 4096
 
 #: A peer's listening address (or "" where a field says so). Its form is checked after
 #: decoding (see :func:`is_address`): a regex in msgspec's ``Meta`` costs ~0.4 µs per
@@ -331,6 +342,34 @@ class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
     pid: _Pid
 
 
+#: The streams of :class:`OutputLine`: a worker's stdout, its stderr, a logging record.
+STDOUT, STDERR, LOG = 0, 1, 2
+
+
+class OutputLine(msgspec.Struct, array_like=True):
+    """One line a worker wrote, and whose it is: the actor mesh ``label`` and the
+    actor's ``rank`` while an actor's handler wrote it, else the ProcMesh's name and
+    the process's slot. A :data:`LOG` line is a whole logging record (its text may
+    span lines: a traceback), with its ``level`` and ``logger`` name."""
+
+    stream: Annotated[int, Meta(ge=STDOUT, le=LOG)]
+    label: _Name
+    rank: _Rank
+    text: Annotated[str, Meta(max_length=MAX_LINE)]
+    level: Annotated[int, Meta(ge=0, le=100)] = 0
+    logger: _Name = ""
+
+
+class Output(msgspec.Struct, tag="output", array_like=True):
+    """Lines a worker wrote, in order, sent to its supervisor (see
+    :mod:`amesh._runtime._capture`). ``dropped`` lines were lost before them (the
+    worker's buffer was full); ``last``: the worker sends nothing more (it exits)."""
+
+    lines: Annotated[list[OutputLine], Meta(max_length=MAX_OUTPUT_LINES)]
+    dropped: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+    last: bool = False
+
+
 class Died(msgspec.Struct, tag="died", array_like=True):
     """The process at ``addr`` is gone: sent by its supervisor to the processes that
     may be calling it, so that their calls fail at once (see :class:`~amesh.Failure`
@@ -360,6 +399,7 @@ Envelope = (
     | Prune
     | Credit
     | Died
+    | Output
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -46,14 +46,15 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from . import _wire
+from . import _debug, _wire
 from ._actor import handlers_of
 from ._bootstrap import Bootstrap, read_bootstrap
 from ._proc_agent import AGENT_KEY, ProcAgent
+from ._runtime import _capture
 from ._runtime._context import call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
-from ._transport import Transport, heartbeat_sender, open_transport
+from ._transport import Transport, heartbeat_sender, local_route, open_transport
 from ._transport._auth import adopt_key
 from ._transport._stream_wire import HEADER, StreamBeat, is_stream_address
 
@@ -212,8 +213,11 @@ def start_heartbeats(
     ``stop``), else from a Python thread (None).
 
     The extension's connection is made here, before returning (blocking for one
-    handshake): a caller that then holds the GIL is heard all along.
+    handshake): a caller that then holds the GIL is heard all along. A ``tls+tcp``
+    receiver on this host is reached at its local alias (see
+    :class:`~amesh._transport.HybridTransport`).
     """
+    to = local_route(to)
     native: NativeBeats | None = None
     try:
         native = NativeBeats(to, own, period, watch_tid, hung_after)
@@ -236,7 +240,7 @@ async def serve(
     transport_factory: Callable[[], Transport],
     parent: str,
     token: str,
-    heartbeats: Callable[[Runtime], AbstractContextManager[Any]],
+    heartbeats: Callable[[Runtime, str], AbstractContextManager[Any]],
 ) -> None:
     """Run a worker runtime until its owner asks it to exit.
 
@@ -244,27 +248,75 @@ async def serve(
         transport_factory: makes the worker's transport.
         parent: the owner's address (gets Ready, heartbeats and failure reports).
         token: echoed in Ready so the owner can match this worker.
-        heartbeats: a context manager that sends heartbeats while it is entered.
+        heartbeats: ``heartbeats(rt, to)`` is a context manager that sends heartbeats
+            to ``to`` while it is entered.
     """
     call_context.set(None)  # a worker starts outside any actor's call
     shutdown = anyio.Event()
     async with open_runtime(transport_factory) as rt:
-        rt.peers.parent = parent  # hears of deaths this process's supervisor sees
-        agent = ProcAgent(shutdown)
-        rt.add_actor(
-            ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), parent, 0)
-        )
-        await rt.send_frame(parent, _wire.Ready(token, rt.address, rt.pid))
-        with heartbeats(rt):
-            await shutdown.wait()
+        with _Beating(rt, heartbeats, parent) as beating:
+            rt.peers.parent = parent  # hears of deaths this process's supervisor sees
+            agent = ProcAgent(shutdown, beating.adopt)
+            rt.add_actor(
+                ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), parent, 0)
+            )
+            capture = _capture.active()
+            try:
+                await rt.send_frame(parent, _wire.Ready(token, rt.address, rt.pid))
+                if capture is not None:  # (its first frame must follow the Ready)
+                    rt.start_soon(capture.run, rt)
+                await shutdown.wait()
+            finally:
+                if capture is not None:
+                    await capture.close()  # the last output goes before the exit
+
+
+class _Beating:
+    """The heartbeats of a worker, to its owner; :meth:`adopt` gives it a new owner (a
+    persistent mesh taken over by another controller)."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        heartbeats: Callable[[Runtime, str], AbstractContextManager[Any]],
+        parent: str,
+    ) -> None:
+        self._rt = rt
+        self._make = heartbeats
+        self._parent = parent
+        self._cm: AbstractContextManager[Any] | None = None
+
+    def __enter__(self) -> _Beating:
+        self._cm = self._make(self._rt, self._parent)
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+            self._cm = None
+
+    def adopt(self, parent: str) -> None:
+        """From now on ``parent`` owns this worker: it gets the heartbeats, the death
+        notices and every actor's failure reports."""
+        rt = self._rt
+        if parent == self._parent:
+            return
+        log.info("adopted by %s (was %s)", parent, self._parent)
+        self._parent = parent
+        rt.peers.parent = parent
+        for inst in rt.actors.values():
+            inst.owner = parent
+        self.__exit__()
+        self.__enter__()
 
 
 @contextmanager
-def _thread_heartbeats(boot: Bootstrap, rt: Runtime) -> Iterator[None]:
+def _thread_heartbeats(boot: Bootstrap, rt: Runtime, to: str) -> Iterator[None]:
     stop = threading.Event()
     # this thread runs the event loop: its hang in the kernel silences the beats
     native = start_heartbeats(
-        boot.parent,
+        to,
         rt.address,
         boot.heartbeat_period,
         stop,
@@ -284,7 +336,29 @@ async def _serve(boot: Bootstrap) -> None:
         lambda: open_transport(boot.scheme, host=boot.host, reach=boot.parent),
         boot.parent,
         boot.token,
-        lambda rt: _thread_heartbeats(boot, rt),
+        lambda rt, to: _thread_heartbeats(boot, rt, to),
+    )
+
+
+def _take_output(level: str) -> None:
+    """Send this worker's output to its supervisor, each line tagged, or drop it, as
+    the ProcMesh that started it asks (``AMESH_OUTPUT``, and ``AMESH_OUTPUT_LABEL`` and
+    ``AMESH_OUTPUT_RANK``, which are this process's and so not passed on to its
+    children); see :mod:`amesh._runtime._capture`. A worker started otherwise writes
+    to the stdout and stderr it inherited. ``level``: the root logger's."""
+    label = os.environ.pop("AMESH_OUTPUT_LABEL", "")
+    rank = os.environ.pop("AMESH_OUTPUT_RANK", "")
+    mode = os.environ.get("AMESH_OUTPUT", "folded")
+    if label and rank.isdigit() and mode != "off":
+        _capture.install(label, int(rank), level, system=(AGENT_KEY,))
+        return
+    if label and mode == "off":
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    logging.basicConfig(
+        level=level, format=f"[pid {os.getpid()}] %(levelname)s %(name)s: %(message)s"
     )
 
 
@@ -297,15 +371,13 @@ def main(boot: Bootstrap | None = None) -> None:
             print(f"amesh worker: no bootstrap on stdin: {exc}", file=sys.stderr)
             os._exit(1)
     adopt_key(boot.key)
+    sys.breakpointhook = _debug.breakpointhook  # pdb at the controller
     # A terminal's Ctrl-C reaches the whole process group; the controller decides
     # what it means and stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
-    logging.basicConfig(
-        level=os.environ.get("AMESH_LOG_LEVEL", "WARNING"),
-        format=f"[pid {os.getpid()}] %(levelname)s %(name)s: %(message)s",
-    )
+    _take_output(os.environ.get("AMESH_LOG_LEVEL", "WARNING"))
     try:
         import uvloop  # noqa: F401
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from .._mesh._host import Host, ProcHandle
 from ._local import LocalHost, this_host
-from ._remote import HostMesh, attach
+from ._remote import HostMesh, attach, attach_mesh
 from ._slurm import SlurmJob
 
-__all__ = ["Host", "HostMesh", "LocalHost", "ProcHandle", "SlurmJob", "attach", "this_host"]
+__all__ = [
+    "Host",
+    "HostMesh",
+    "LocalHost",
+    "ProcHandle",
+    "SlurmJob",
+    "attach",
+    "attach_mesh",
+    "this_host",
+]

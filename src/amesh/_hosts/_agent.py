@@ -1,9 +1,10 @@
 """Host agents: one process per machine that starts workers for controllers elsewhere.
 
 ``amesh agent --listen tcp://ADDR:PORT --key-file PATH`` runs :func:`serve_agent`. The
-agent is an amesh runtime listening on that address, with one actor,
-:class:`HostAgent`, under the well-known key :data:`AGENT_ACTOR`. Its listener admits
-only peers that prove they hold the key in ``PATH`` (the job key, see
+agent is an amesh runtime listening on that address (as ``tls+tcp://ADDR:PORT``: TLS to
+other hosts, streams within this one; ``stream+tcp://`` asks for plain streams), with
+one actor, :class:`HostAgent`, under the well-known key :data:`AGENT_ACTOR`. Its
+listener admits only peers that prove they hold the key in ``PATH`` (the job key, see
 :mod:`amesh._transport._auth`), as every amesh listener does: a controller that holds
 the key is one of the job.
 
@@ -42,7 +43,7 @@ from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
 from .._runtime._runtime import Runtime, current_runtime, open_runtime
-from .._transport import StreamTransport, Transport
+from .._transport import HybridTransport, StreamTransport, Transport, default_impl, open_tls
 from .._transport._auth import adopt_key, read_key_file
 from ._local import launch_worker
 
@@ -62,6 +63,8 @@ class _Child:
 
     process: ProcessLike
     owner: str
+    #: the persistent mesh it belongs to ("": none; it dies with its controller)
+    mesh: str = ""
     exited: anyio.Event = field(default_factory=anyio.Event)
 
 
@@ -77,9 +80,14 @@ class HostAgent(Actor):
         self.host = host
         self.grace = grace
         self.children: dict[int, _Child] = {}
+        #: persistent meshes with workers here: name -> what their controller recorded
+        #: (see :meth:`hold`)
+        self.meshes: dict[str, dict[str, Any]] = {}
         #: controllers with workers here, whose leases are watched
         self._watched: set[str] = set()
         self._expiring = False
+        #: set whenever a worker exits or a lease expires (the idle watch waits on it)
+        self.changed = anyio.Event()
 
     @endpoint(concurrent=True)
     def info(self) -> dict[str, Any]:
@@ -101,8 +109,13 @@ class HostAgent(Actor):
         env: Mapping[str, str],
         heartbeat_period: float,
         heartbeat_timeout: float,
+        persistent: str = "",
     ) -> int:
-        """Start a worker that reports Ready with ``token`` to the caller; its pid."""
+        """Start a worker that reports Ready with ``token`` to the caller; its pid.
+
+        With ``persistent`` (a mesh's name) the worker outlives the caller: it is not
+        stopped when the caller's lease ends, but by :meth:`stop_mesh` (or ``kill``).
+        """
         ctx = call_context.get()
         assert ctx is not None
         owner = ctx.sender
@@ -110,8 +123,9 @@ class HostAgent(Actor):
         child_env = dict(os.environ)
         child_env.update(env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
-        # the worker listens the way its controller does: tcp streams, or NNG over TLS
-        scheme = "tls+tcp" if owner.startswith("tls+tcp://") else "tcp"
+        # the worker listens the way its controller does: TLS between hosts (and
+        # streams within this one), or plain tcp streams
+        scheme = "tls+tcp" if owner.startswith("tls+tcp://") else "stream+tcp"
         process, pid = await launch_worker(
             rt,
             token,
@@ -121,10 +135,15 @@ class HostAgent(Actor):
             (heartbeat_period, heartbeat_timeout),
             parent=owner,
         )
-        child = self.children[pid] = _Child(process, owner)
+        child = self.children[pid] = _Child(process, owner, persistent)
         rt.start_soon(self._reap, pid, child)
         self._watch(rt, owner)
-        log.info("started worker %d for %s", pid, owner)
+        log.info(
+            "started worker %d for %s%s",
+            pid,
+            owner,
+            f" (persistent mesh {persistent!r})" if persistent else "",
+        )
         return pid
 
     @endpoint(concurrent=True)
@@ -155,10 +174,61 @@ class HostAgent(Actor):
             await child.process.wait()
         finally:
             child.exited.set()
+            self._changed()
             log.info("worker %d exited (%s)", pid, child.process.returncode)
             # what it sent through shared memory that nobody took (it was killed)
             _codec.remove_segments_of(pid)
             await child.process.aclose()
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def idle(self) -> bool:
+        """No worker runs here and no controller holds a lease."""
+        return not self._watched and all(c.exited.is_set() for c in self.children.values())
+
+    # -- persistent meshes ------------------------------------------------------------
+
+    @endpoint(concurrent=True)
+    def hold(self, name: str, record: dict[str, Any]) -> None:
+        """Keep ``record`` (what a controller needs to take persistent mesh ``name``
+        over: shape, processes, actor meshes) until the mesh is stopped."""
+        self.meshes[name] = record
+
+    @endpoint(concurrent=True)
+    def held(self) -> dict[str, dict[str, Any]]:
+        """The persistent meshes with workers here, each record with ``exits``: the
+        exit status of each of its workers here that has exited, by pid."""
+        out = {}
+        for name, record in self.meshes.items():
+            exits = {
+                pid: c.process.returncode
+                for pid, c in self.children.items()
+                if c.mesh == name and c.exited.is_set()
+            }
+            out[name] = {**record, "exits": exits}
+        return out
+
+    @endpoint(concurrent=True)
+    async def stop_mesh(self, name: str, forget: bool = True) -> int:
+        """Kill the workers of persistent mesh ``name`` here and wait until they are
+        reaped; with ``forget``, drop its record. How many were running."""
+        mine = [c for c in self.children.values() if c.mesh == name and not c.exited.is_set()]
+        for child in mine:
+            child.process.kill()
+        for child in mine:
+            await child.exited.wait()
+        if forget:
+            self.meshes.pop(name, None)
+        if mine:
+            log.info("stopped persistent mesh %r: %d worker(s)", name, len(mine))
+        return len(mine)
+
+    @endpoint(concurrent=True)
+    def forget(self, name: str) -> None:
+        """Drop persistent mesh ``name``'s record (its controller stopped it)."""
+        self.meshes.pop(name, None)
 
     # -- controllers that are gone ----------------------------------------------------
 
@@ -183,10 +253,26 @@ class HostAgent(Actor):
                     self._watched.discard(owner)
                     rt.peers.unwatch(owner)
                     self._stop_workers_of(owner, f"no lease for {now - last:.1f} s")
+                    self._changed()
 
     def _stop_workers_of(self, owner: str, why: str) -> None:
-        mine = [p for p, c in self.children.items() if c.owner == owner]
-        log.warning("controller %s is gone (%s): stopping its %d worker(s)", owner, why, len(mine))
+        mine = [
+            p
+            for p, c in self.children.items()
+            if c.owner == owner and not c.mesh and not c.exited.is_set()
+        ]
+        kept = sum(
+            1
+            for c in self.children.values()
+            if c.owner == owner and c.mesh and not c.exited.is_set()
+        )
+        log.warning(
+            "controller %s is gone (%s): stopping its %d worker(s)%s",
+            owner,
+            why,
+            len(mine),
+            f", keeping {kept} of persistent meshes" if kept else "",
+        )
         for pid in mine:
             child = self.children[pid]
             if child.process.returncode is None:
@@ -200,16 +286,17 @@ class HostAgent(Actor):
 
 
 def parse_listen(listen: str) -> tuple[str, str, int]:
-    """``(scheme, host, port)`` of ``tcp://ADDR:PORT`` or ``tls+tcp://ADDR:PORT`` (IPv6
-    in brackets; port 0: any).
+    """``(scheme, host, port)`` of ``tcp://ADDR:PORT`` or ``tls+tcp://ADDR:PORT`` (both
+    scheme ``tls+tcp``: encrypted between hosts), or ``stream+tcp://ADDR:PORT`` (plain
+    streams); IPv6 in brackets, port 0: any.
 
     Raises:
         ValueError: not such an address.
     """
-    scheme, sep, rest = listen.removeprefix("stream+").partition("://")
+    scheme, sep, rest = listen.partition("://")
     host, colon, port = rest.rpartition(":")
     if (
-        scheme not in ("tcp", "tls+tcp")
+        scheme not in ("tcp", "tls+tcp", "stream+tcp")
         or not sep
         or not colon
         or not host
@@ -217,23 +304,21 @@ def parse_listen(listen: str) -> tuple[str, str, int]:
         or not 0 <= int(port) < 65536
     ):
         raise ValueError(
-            f"an agent listens on tcp://ADDR:PORT or tls+tcp://ADDR:PORT, not {listen!r}"
+            "an agent listens on tcp://ADDR:PORT (encrypted), or stream+tcp://ADDR:PORT "
+            f"(plain), not {listen!r}"
         )
-    return scheme, host.strip("[]"), int(port)
+    return ("tls+tcp" if scheme == "tcp" else scheme), host.strip("[]"), int(port)
 
 
 def _listener(scheme: str, host: str, port: int) -> Transport:
-    """The agent's transport: event-loop streams for tcp, NNG with TLS for tls+tcp."""
-    if scheme == "tcp":
+    """The agent's transport: TLS to other hosts and streams within this one (a
+    :class:`HybridTransport`) for ``tls+tcp``, NNG over TLS alone when
+    ``AMESH_TRANSPORT_IMPL`` names an NNG transport, plain streams for ``stream+tcp``."""
+    if scheme == "stream+tcp":
         return StreamTransport("tcp", host=host, port=port)
-    try:
-        from .._transport._ext import ExtTransport
-
-        return ExtTransport(scheme, host=host, port=port)
-    except ImportError:
-        from .._transport._nng import NngTransport
-
-        return NngTransport(scheme, host=host, port=port)
+    if default_impl() == "stream":
+        return HybridTransport(host, port=port)
+    return open_tls(host, port)
 
 
 def address_towards(peer: str) -> str:
@@ -260,18 +345,22 @@ async def serve_agent(
     *,
     route_to: str = "",
     announce_to: str = "",
+    idle_exit: float = 0.0,
     task_status: Any = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a host agent until SIGTERM or SIGINT (or cancellation); see the module doc.
 
     Args:
-        listen: ``tcp://ADDR:PORT`` (port 0: any free one).
+        listen: ``tcp://ADDR:PORT`` (port 0: any free one; see :func:`parse_listen`).
         key_file: the job key (see ``amesh keygen``).
         grace: see :data:`DEFAULT_GRACE`.
         route_to: an IP (the controller's): listen on the address of the interface
             that routes there, whatever ``ADDR`` says.
         announce_to: a file to write the agent's address to once it listens (a batch
-            job's agents tell their controller where they are).
+            job's agents tell their controller where they are), removed at exit.
+        idle_exit: exit once no worker has run and no controller held a lease for
+            this many seconds (0: never; the local agent that holds this machine's
+            persistent meshes is started with it).
 
     ``task_status.started`` gets the agent's address once it listens.
     """
@@ -287,21 +376,61 @@ async def serve_agent(
         if announce_to:
             announce(announce_to, rt.address)
         try:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_until_signalled, tg.cancel_scope)
+                if idle_exit > 0:
+                    tg.start_soon(_until_idle, agent, idle_exit, tg.cancel_scope)
                 task_status.started(rt.address)
-                async for sig in signals:
-                    log.info("amesh agent: %s, stopping", signal.Signals(sig).name)
-                    break
         finally:
             with anyio.CancelScope(shield=True):
                 agent.stop_all()
                 for child in list(agent.children.values()):
                     with anyio.move_on_after(5):
                         await child.exited.wait()
+            if announce_to:
+                _unannounce(announce_to, rt.address)
+
+
+async def _until_signalled(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for sig in signals:
+            log.info("amesh agent: %s, stopping", signal.Signals(sig).name)
+            break
+    scope.cancel()
+
+
+async def _until_idle(agent: HostAgent, idle: float, scope: anyio.CancelScope) -> None:
+    while True:
+        changed = agent.changed
+        if agent.idle():
+            with anyio.move_on_after(idle):
+                await changed.wait()
+            if agent.idle() and changed is agent.changed:
+                log.info("amesh agent: idle for %g s, stopping", idle)
+                scope.cancel()
+                return
+        else:
+            await changed.wait()
+
+
+def _unannounce(path: str, addr: str) -> None:
+    """Remove ``path`` if it still names ``addr`` (a newer agent may have replaced it)."""
+    try:
+        with open(path) as f:
+            if f.read().strip() != addr:
+                return
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def main(
-    listen: str, key_file: str, grace: float, route_to: str = "", announce_to: str = ""
+    listen: str,
+    key_file: str,
+    grace: float,
+    route_to: str = "",
+    announce_to: str = "",
+    idle_exit: float = 0.0,
 ) -> int:
     """The ``amesh agent`` command."""
     logging.basicConfig(
@@ -310,6 +439,13 @@ def main(
         format="%(asctime)s amesh agent %(levelname)s %(name)s: %(message)s",
     )
     anyio.run(
-        lambda: serve_agent(listen, key_file, grace, route_to=route_to, announce_to=announce_to)
+        lambda: serve_agent(
+            listen,
+            key_file,
+            grace,
+            route_to=route_to,
+            announce_to=announce_to,
+            idle_exit=idle_exit,
+        )
     )
     return 0

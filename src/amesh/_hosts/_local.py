@@ -25,11 +25,13 @@ import sniffio
 
 from .. import _wire
 from .._bootstrap import Bootstrap
+from .._debug import debug_env
 from .._errors import SupervisionError
 from .._mesh._host import ProcessLike, ProcHandle, exit_cause, set_default_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
 from .._transport._auth import job_key
+from ._home import state_dir
 
 if TYPE_CHECKING:
     from ._zygote import Zygote, ZygoteProcess
@@ -129,6 +131,7 @@ class LocalHost:
         ready = ReadyWaiter(rt)
         child_env = dict(os.environ)
         child_env.update(env or {})
+        child_env.update(debug_env(lambda: state_dir() / "debug"))
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         beats = (heartbeat_period, heartbeat_timeout)
         try:

@@ -5,14 +5,16 @@
 :class:`HostMesh` with one dimension, ``hosts``. ``hosts.spawn_procs(per_host={"gpus":
 8})`` is a :class:`~amesh.ProcMesh` of ``{"hosts": N, "gpus": 8}``: process slot ``s``
 runs on host ``s // 8``. Each worker reports to this controller directly (so the
-controller must listen where the hosts can reach it: ``AMESH_TRANSPORT=tcp`` and
-``AMESH_HOST`` set to its address on their network), and is supervised as a local one
-is; the agent reports its exit status the moment it reaps it. The loss of an agent is
-the loss of every worker on its host.
+controller must listen where the hosts can reach it: ``AMESH_TRANSPORT=tcp``, which is
+TLS between hosts, or ``stream+tcp`` for plain streams, and ``AMESH_HOST`` set to its
+address on their network), and is supervised as a local one is; the agent reports its
+exit status the moment it reaps it. The loss of an agent is the loss of every worker on
+its host.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import weakref
@@ -23,17 +25,22 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._errors import SupervisionError
-from .._mesh._host import ProcHandle
+from .._mesh._host import Holder, ProcHandle, set_persistent_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime, current_runtime
+from .._runtime._session import bridged
 from .._shape import Shape
+from .._supervision import Supervisor
 from .._transport._auth import adopt_key_file
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, HostAgent
+from ._home import local_agent, local_agent_address, local_key
 from ._local import ReadyWaiter
 
-__all__ = ["HostMesh", "RemoteProcess", "attach"]
+__all__ = ["HostMesh", "RemoteProcess", "attach", "attach_mesh", "held_meshes"]
+
+log = logging.getLogger("amesh.hosts")
 
 
 class RemoteProcess:
@@ -183,27 +190,64 @@ class HostMesh(MeshView):
         ``addr`` (the agent's), ``pid``, ``cpus``."""
         return list(self._infos)
 
-    def spawn_procs(self, per_host: Mapping[str, int] | None = None, **kwargs: Any) -> ProcMesh:
+    def spawn_procs(
+        self,
+        per_host: Mapping[str, int] | None = None,
+        *,
+        name: str | None = None,
+        persistent: bool = False,
+        **kwargs: Any,
+    ) -> ProcMesh:
         """A :class:`~amesh.ProcMesh` of ``{"hosts": N, **per_host}`` processes, ``per_host``
         on each machine; enter it (or await it) to start them. Takes the keyword
-        arguments of :class:`~amesh.ProcMesh` but ``host``."""
+        arguments of :class:`~amesh.ProcMesh` but ``host``.
+
+        With ``persistent=True`` the processes outlive this controller (their agents
+        keep them) until the mesh is stopped (``await procs.stop()``, ``amesh stop
+        NAME``); another controller takes the mesh over with :func:`attach_mesh`.
+        """
         per = dict(per_host or {"procs": 1})
         if "hosts" in per:
             raise ValueError("per_host describes one host: it cannot have a 'hosts' dimension")
         count = len(Shape.from_sizes(per))
-        return ProcMesh({"hosts": len(self), **per}, host=_Placement(self, count), **kwargs)
+        placement = _Placement(self, count, (name or "") if persistent else "")
+        return ProcMesh(
+            {"hosts": len(self), **per},
+            host=placement,
+            name=name,
+            persistent=persistent,
+            **kwargs,
+        )
 
 
 class _Placement:
-    """The Host of a ProcMesh on a HostMesh: slot ``s`` goes to host ``s // per_host``."""
+    """The Host of a ProcMesh on a HostMesh: slot ``s`` goes to host ``s // per_host``.
 
-    def __init__(self, hosts: HostMesh, per_host: int) -> None:
+    For a persistent mesh (``mesh_name``) it is a :class:`~amesh._mesh._host.Holder`:
+    its agents keep the processes past this controller, and the mesh's record.
+    """
+
+    def __init__(self, hosts: HostMesh, per_host: int, mesh_name: str = "") -> None:
         self._hosts = hosts
         #: processes per host (ProcMesh reads it: the relay tree goes by host)
         self.per_host = per_host
+        self.mesh_name = mesh_name
 
     def __repr__(self) -> str:
         return repr(self._hosts)
+
+    async def hold(self, record: dict[str, Any]) -> None:
+        infos = self._hosts._infos
+        record = {
+            **record,
+            "agents": [i["addr"] for i in infos],
+            "hosts": [i["host"] for i in infos],
+            "per_host": self.per_host,
+        }
+        await self._hosts._agents.hold.call(self.mesh_name, record)
+
+    async def release(self) -> None:
+        await self._hosts._agents.forget.call(self.mesh_name)
 
     async def start_proc(
         self,
@@ -222,7 +266,7 @@ class _Placement:
         ready = ReadyWaiter(rt)
         try:
             pid = await agent.start_proc.call_one(
-                ready.token, dict(env or {}), heartbeat_period, heartbeat_timeout
+                ready.token, dict(env or {}), heartbeat_period, heartbeat_timeout, self.mesh_name
             )
         except BaseException:
             ready.cancel()
@@ -233,17 +277,25 @@ class _Placement:
 
 
 def _agent_address(addr: str) -> str:
+    """The address to dial for ``addr``: ``tcp://`` means encrypted (``tls+tcp://``);
+    ``stream+tcp://`` (plain streams) and ``tls+tcp://`` are kept."""
     if addr.startswith(("stream+tcp://", "tls+tcp://")):
         return addr
     if addr.startswith("tcp://"):
-        return "stream+" + addr
+        return "tls+" + addr
     raise ValueError(
-        f"a host agent's address is tcp://ADDR:PORT or tls+tcp://ADDR:PORT, not {addr!r}"
+        "a host agent's address is tcp://ADDR:PORT (encrypted) or stream+tcp://ADDR:PORT "
+        f"(plain), not {addr!r}"
     )
 
 
+@bridged
 async def attach(
-    addrs: Sequence[str], *, key_file: str | None = None, timeout: float = 30.0
+    addrs: Sequence[str],
+    *,
+    key_file: str | None = None,
+    timeout: float = 30.0,
+    _local: bool = False,
 ) -> HostMesh:
     """The machines whose ``amesh agent`` listens at ``addrs`` (``tcp://ADDR:PORT``),
     as a :class:`HostMesh`.
@@ -267,7 +319,7 @@ async def attach(
     if key_file is not None:
         adopt_key_file(key_file)
     rt = current_runtime()
-    if not rt.address.startswith(("stream+tcp://", "tls+tcp://")):
+    if not _local and not rt.address.startswith(("stream+tcp://", "tls+tcp://")):
         raise RuntimeError(
             f"this controller listens at {rt.address}, which other machines cannot reach: "
             "start it with AMESH_TRANSPORT=tcp (or tls+tcp) and AMESH_HOST=<its address on "
@@ -279,3 +331,133 @@ async def attach(
     infos = list((await mesh.info.call(timeout=timeout)).values())
     _lease(rt, agents)
     return HostMesh(mesh, infos)
+
+
+# -- persistent meshes ---------------------------------------------------------------
+
+
+async def _answers(addr: str) -> bool:
+    """Whether a host agent answers at ``addr`` (quickly: it is on this machine)."""
+    mesh = ActorMesh("hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": 1}), [addr], 0)
+    try:
+        await mesh.info.call_one(timeout=5.0)
+    except (SupervisionError, TimeoutError) as exc:
+        log.info("no local agent at %s: %s", addr, exc)
+        return False
+    return True
+
+
+async def local_hosts(start: bool) -> HostMesh | None:
+    """This machine's local agent (:mod:`._home`) as a HostMesh of one; started when
+    none answers and ``start``, else None when none answers. This process adopts the
+    local key."""
+    adopt_key_file(str(local_key()))
+    if start:
+        addr: str | None = await local_agent(_answers)
+    else:
+        addr = local_agent_address()
+        if addr is not None and not await _answers(addr):
+            addr = None
+    if addr is None:
+        return None
+    return await attach([addr], _local=True)
+
+
+async def _local_holder(name: str, count: int) -> Holder:
+    hosts = await local_hosts(start=True)
+    assert hosts is not None
+    return _Placement(hosts, count, name)
+
+
+set_persistent_host(_local_holder)
+
+
+async def _hosts_of(
+    hosts: HostMesh | Sequence[str] | None, key_file: str | None
+) -> HostMesh | None:
+    if isinstance(hosts, HostMesh):
+        return hosts
+    if hosts is None:
+        return await local_hosts(start=False)
+    return await attach(hosts, key_file=key_file)
+
+
+async def held_meshes(
+    hosts: HostMesh | Sequence[str] | None = None, key_file: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """The persistent meshes that the agents of ``hosts`` (this machine's local agent
+    when None) keep: name -> record (shape, hosts, processes, actor meshes, exits)."""
+    mesh = await _hosts_of(hosts, key_file)
+    if mesh is None:
+        return {}
+    found: dict[str, dict[str, Any]] = {}
+    for held in (await mesh._agents.held.call()).values():
+        for name, record in held.items():
+            if name in found:  # several hosts: the exits of each
+                found[name]["exits"].update(record["exits"])
+            else:
+                found[name] = record
+    return found
+
+
+@bridged
+async def attach_mesh(
+    name: str,
+    *,
+    hosts: HostMesh | Sequence[str] | None = None,
+    key_file: str | None = None,
+    supervise: Supervisor | None = None,
+) -> ProcMesh:
+    """Take over persistent mesh ``name``, made by another controller (which may be
+    gone): its processes, with their actors and their state, as a
+    :class:`~amesh.ProcMesh` owned by this controller from now on.
+
+    ``await procs.actor_mesh(NAME)`` gives its actor meshes back. The mesh stays
+    persistent: it outlives this controller too, until ``await procs.stop()``.
+
+    Args:
+        name: the name it was made with (``ProcMesh(..., name=, persistent=True)``).
+        hosts: where its agents are: a :class:`HostMesh`, or their addresses (then
+            ``key_file`` as for :func:`attach`); None for this machine's local agent.
+        key_file: the agents' key, with ``hosts`` given as addresses.
+        supervise: as for :class:`~amesh.ProcMesh`: handles its failures from now on
+            (one that happened while no controller held it is reported at once).
+
+    Raises:
+        LookupError: no such persistent mesh there.
+        SupervisionError: a process of the mesh is gone (it is reported the way a
+            failure of a running mesh is).
+    """
+    mesh = await _hosts_of(hosts, key_file)
+    held = await held_meshes(mesh) if mesh is not None else {}
+    record = held.get(name)
+    if record is None or mesh is None:
+        where = "on this machine" if hosts is None else f"on {mesh!r}"
+        known = ", ".join(sorted(held)) or "none"
+        raise LookupError(f"no persistent mesh named {name!r} {where} (there are: {known})")
+    agents = list(record["agents"])
+    if [i["addr"] for i in mesh.hosts] != agents:
+        mesh = await attach(agents, key_file=key_file, _local=hosts is None)
+    per_host = int(record["per_host"])
+    placement = _Placement(mesh, per_host, name)
+    procs = ProcMesh(
+        dict(zip(record["labels"], record["sizes"], strict=True)),
+        host=placement,
+        name=name,
+        persistent=True,
+        fanout=int(record["fanout"]),
+        heartbeat_period=float(record["heartbeat"][0]),
+        heartbeat_timeout=float(record["heartbeat"][1]),
+        supervise=supervise,
+    )
+    handles = []
+    exits: dict[int, int] = record["exits"]
+    for slot, (addr, pid) in enumerate(record["procs"]):
+        index = slot // per_host
+        where = mesh._infos[index]["host"]
+        process = RemoteProcess(mesh._agents.slice(hosts=index), pid, where)
+        if pid in exits:
+            process._rc = exits[pid]
+        handles.append(ProcHandle(addr, pid, process, local=False, host=where))
+    await procs._adopt(handles, record["actors"])
+    return procs

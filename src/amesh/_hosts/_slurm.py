@@ -13,8 +13,8 @@ readable by the owner only). A later controller asking for the same name attache
 the job while it is pending or running instead of queueing a new one. ``job.cancel()``
 ends it; it is also cancelled when the controller exits (``atexit``) unless it was made
 with ``persistent=True``. Agents listen on their node's address towards the controller,
-which must itself listen on tcp where the nodes reach it (``AMESH_TRANSPORT=tcp``,
-``AMESH_HOST``).
+which must itself listen on tcp where the nodes reach it (``AMESH_TRANSPORT=tcp``, TLS
+between hosts, or ``stream+tcp``; ``AMESH_HOST``), and speak as it does.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 import anyio
 
 from .._runtime._runtime import current_runtime
+from .._runtime._session import bridged
 from .._transport._auth import job_key, read_key_file
 from ._remote import HostMesh, attach
 
@@ -122,6 +123,7 @@ class SlurmJob:
 
     # -- start or find ----------------------------------------------------------------
 
+    @bridged
     async def host_mesh(self) -> HostMesh:
         """The job's nodes as a :class:`~amesh.HostMesh` (submitting it if no job of
         this name is pending or running).
@@ -147,8 +149,7 @@ class SlurmJob:
             if self.state() not in _LIVE:
                 self.job_id = None
         if self.job_id is None:
-            listen = "tls+tcp" if scheme == "tls+tcp" else "tcp"
-            await anyio.to_thread.run_sync(self._submit, controller, listen)
+            await anyio.to_thread.run_sync(self._submit, controller, scheme)
         elif not self.persistent:
             atexit.register(self._cancel_quietly)
         addrs = await self._agents()

@@ -11,8 +11,8 @@ first).
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -20,13 +20,16 @@ if TYPE_CHECKING:
     from .._runtime._runtime import Runtime
 
 __all__ = [
+    "Holder",
     "Host",
     "ProcHandle",
     "ProcessLike",
     "default_host",
     "describe_exit",
     "exit_cause",
+    "persistent_host",
     "set_default_host",
+    "set_persistent_host",
 ]
 
 
@@ -125,7 +128,42 @@ class Host(Protocol):
         ...
 
 
+class Holder(Host, Protocol):
+    """A Host whose processes may outlive their controller (host agents): it starts
+    them for persistent mesh :attr:`mesh_name`, and keeps the record another
+    controller needs to take that mesh over."""
+
+    #: the persistent mesh it starts processes for
+    mesh_name: str
+    #: processes per machine (the relay tree goes by machine)
+    per_host: int
+
+    async def hold(self, record: dict[str, Any]) -> None:
+        """Keep ``record`` (shape, processes, actor meshes) where the mesh's
+        machines are, replacing what was kept."""
+        ...
+
+    async def release(self) -> None:
+        """Forget the record (the mesh was stopped)."""
+        ...
+
+
 _default_host: Host | None = None
+_persistent_host: Callable[[str, int], Awaitable[Holder]] | None = None
+
+
+def set_persistent_host(factory: Callable[[str, int], Awaitable[Holder]]) -> None:
+    """Register ``factory(name, count)``: the Holder on this machine (its local agent,
+    started on demand) for persistent mesh ``name`` of ``count`` processes."""
+    global _persistent_host
+    _persistent_host = factory
+
+
+async def persistent_host(name: str, count: int) -> Holder:
+    """The Holder for a persistent mesh on this machine (see :func:`set_persistent_host`)."""
+    if _persistent_host is None:
+        raise RuntimeError("no persistent host: `import amesh` registers this machine's")
+    return await _persistent_host(name, count)
 
 
 def set_default_host(host: Host) -> None:

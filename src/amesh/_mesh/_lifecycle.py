@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from .._actor_mesh import ActorMesh
 from .._config import default_transport
 from .._errors import ActorError, Failure, SupervisionError
 from .._proc_agent import AGENT_KEY, ProcAgent
+from .._runtime._output import OutputPrinter
 from .._runtime._runtime import Runtime
 from .._shape import Shape
 from .._supervision import RestartPolicy, RestartWindow
@@ -74,6 +76,9 @@ class MeshState:
         self.window = RestartWindow()
         #: set (and replaced) each time the heartbeat monitor has looked
         self._ticked = anyio.Event()
+        #: a persistent mesh's: records its processes and actor meshes where another
+        #: controller can find them (after a start, a spawn or a restart)
+        self.publish: Callable[[], Awaitable[None]] | None = None
 
     def ticked(self) -> None:
         self._ticked.set()
@@ -107,6 +112,9 @@ class Lifecycle:
         heartbeat_period: seconds between their heartbeats.
         heartbeat_timeout: how long a silent one lives on.
         label: the mesh, as failures name it (``"ProcMesh {'gpus': 4}"``).
+        output: what becomes of the processes' output (see
+            :mod:`amesh._runtime._output`).
+        name: the mesh, as its processes' output names it (``[procs 3] ...``).
     """
 
     def __init__(
@@ -116,12 +124,17 @@ class Lifecycle:
         heartbeat_period: float,
         label: str,
         heartbeat_timeout: float = 5.0,
+        output: str = "folded",
+        name: str = "procs",
     ) -> None:
         self.host = host
         self.env = env
         self.heartbeat_period = heartbeat_period
         self.heartbeat_timeout = heartbeat_timeout
         self.label = label
+        self.output = output
+        self.name = name
+        self._printer: OutputPrinter | None = None
 
     def scheme(self, rt: Runtime) -> tuple[str, str]:
         # workers listen the way the controller does ("stream+tcp", "abstract", ...)
@@ -142,7 +155,7 @@ class Lifecycle:
                 rt,
                 scheme,
                 host,
-                self.env,
+                self._env_of(slots[i]),
                 heartbeat_period=self.heartbeat_period,
                 heartbeat_timeout=self.heartbeat_timeout,
                 slot=slots[i],
@@ -160,7 +173,41 @@ class Lifecycle:
                         await p.stop(0)
                         _codec.remove_segments_of(p.pid)
             raise
-        return [p for p in procs if p is not None]
+        started = [p for p in procs if p is not None]
+        printer = self.printer(rt)  # (the runtime kept their output until now)
+        for slot, p in zip(slots, started):
+            printer.attach(p.addr, slot)
+        return started
+
+    def _env_of(self, slot: int) -> dict[str, str]:
+        """The environment of the process of ``slot``: what its output becomes, and
+        whose it is outside actors (see :func:`amesh._worker._take_output`)."""
+        return {
+            **self.env,
+            "AMESH_OUTPUT": self.output,
+            "AMESH_OUTPUT_LABEL": self.name,
+            "AMESH_OUTPUT_RANK": str(slot),
+        }
+
+    def printer(self, rt: Runtime) -> OutputPrinter:
+        """What prints the output of this mesh's processes (made on first use)."""
+        if self._printer is None:
+            self._printer = OutputPrinter(rt.outputs, self.output, self.name, rt.new_event)
+            if self.output == "folded":
+                rt.start_soon(self._printer.run)
+        return self._printer
+
+    def attach_output(self, rt: Runtime, procs: list[ProcHandle]) -> None:
+        """Print the output of ``procs`` (running processes taken over), by slot."""
+        printer = self.printer(rt)
+        for slot, p in enumerate(procs):
+            printer.attach(p.addr, slot)
+
+    def close_output(self) -> None:
+        """Print what is held back, and no more output of this mesh's processes."""
+        if self._printer is not None:
+            self._printer.close()
+            self._printer = None
 
     async def shutdown(self, st: MeshState) -> None:
         if st.closing:
@@ -189,6 +236,10 @@ class Lifecycle:
         async with anyio.create_task_group() as tg:
             for p in st.procs:
                 tg.start_soon(p.stop, FAILED_EXIT_GRACE if failed else EXIT_GRACE)
+        if self._printer is not None:
+            # the last output of those that exited well may still be on its way
+            await self._printer.settle(p.addr for p in st.procs if p.returncode == 0)
+            self.close_output()
         for slot, p in enumerate(st.procs):
             rt.peers.unwatch(p.addr)
             rt.peer_failed(p.addr, failure_of(self.label, slot, p, "was stopped by its owner"))

@@ -292,6 +292,8 @@ class MeshSupervisor:
             for s in slots:
                 st.addrs[s] = addrs[s]
             st.restarts += 1
+            if st.publish is not None:
+                await st.publish()
             log.warning("restarted process slot(s) %s after: %s", slots, failure)
         except Exception as exc:
             if st.closing:  # stopped by its owner meanwhile: nothing to escalate

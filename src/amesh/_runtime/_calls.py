@@ -26,8 +26,8 @@ class Pending:
     """
 
     __slots__ = (
-        "_event", "_new_event", "actor", "call_id", "items", "payload", "relays", "slots",
-        "targets", "via",
+        "_event", "_new_event", "actor", "call_id", "items", "payload", "relays", "size",
+        "slots", "targets", "via",
     )  # fmt: skip
 
     def __init__(
@@ -44,6 +44,8 @@ class Pending:
         self.slots = slots
         #: rank -> address for every rank that has not answered yet
         self.targets = targets
+        #: how many ranks the call went to
+        self.size = len(targets)
         self.items: deque[tuple[int, bool, Any]] = deque()
         self._event: Any = None
         self._new_event = new_event or native_event_class()

@@ -24,6 +24,8 @@ _refusals = RateLimitedLog(log)
 
 #: How many recent requests are remembered to drop duplicates.
 _RECENT = 65536
+#: How many stopped actors are remembered, to say why a request finds none.
+_GONE = 1024
 
 
 class Dispatch:
@@ -34,6 +36,8 @@ class Dispatch:
         self._spawn = spawn
         self.pid = os.getpid()
         self.actors: dict[str, ActorInstance] = {}
+        #: why recently stopped actors are gone, by key (see :meth:`gone`)
+        self._gone: OrderedDict[str, str] = OrderedDict()
         #: (sender, call_id) of requests being handled, and their cancel scopes
         self.running: dict[tuple[str, int], anyio.CancelScope] = {}
         #: requests sitting in a mailbox, and those of them cancelled before they ran
@@ -58,7 +62,12 @@ class Dispatch:
         """Queue a request for a local actor, or answer why it cannot run."""
         inst = self.actors.get(env.actor)
         if inst is None:
-            self._decline(env, f"no actor {env.actor!r} is running in process {self.pid}")
+            why = self._gone.get(env.actor)
+            self._decline(
+                env,
+                f"no actor {env.actor!r} is running in process {self.pid}"
+                + (f": {why}" if why else ""),
+            )
             return
         if inst.failed is not None:
             if isinstance(env, _wire.Cast):
@@ -74,6 +83,13 @@ class Dispatch:
         except anyio.ClosedResourceError:  # the actor is stopping: it takes nothing more
             self.queued.discard(key)
             self._decline(env, f"actor {env.actor!r} is stopping in process {self.pid}")
+
+    def gone(self, key: str, why: str) -> None:
+        """Actor ``key`` was stopped: requests that still come for it are answered
+        with ``why`` (for the most recent :data:`_GONE` of them)."""
+        self._gone[key] = why
+        if len(self._gone) > _GONE:
+            self._gone.popitem(last=False)
 
     def _decline(self, env: _wire.Call | _wire.Cast, why: str) -> None:
         """A request no actor here will run: a call is answered with a LookupError, a

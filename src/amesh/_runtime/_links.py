@@ -13,7 +13,7 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -174,11 +174,11 @@ class Links:
     # -- credit, sending side -----------------------------------------------------------
 
     async def acquire(
-        self, addrs: list[str], actor: str, nbytes: int, deadline: float = math.inf
+        self, addrs: list[str], actor: str, nbytes: Sequence[int], deadline: float = math.inf
     ) -> list[int]:
-        """Wait until ``actor`` at each of ``addrs`` may take one more message from us,
-        then take that room at all of them at once (all or nothing, so a timeout or a
-        cancel leaves every window as it was).
+        """Wait until ``actor`` at each of ``addrs`` may take one more message from us
+        (of ``nbytes`` bytes, one size per address), then take that room at all of them
+        at once (all or nothing, so a timeout or a cancel leaves every window as it was).
 
         Returns:
             each message's number among those sent to that address (1, 2, ...).
@@ -196,11 +196,10 @@ class Links:
             full = next(
                 (
                     addr
-                    for addr, out in zip(addrs, outs)
+                    for addr, out, size in zip(addrs, outs, nbytes)
                     if out[0] > out[2]
                     and (
-                        out[0] - out[2] >= self.window
-                        or out[1] - out[3] + nbytes > self.window_bytes
+                        out[0] - out[2] >= self.window or out[1] - out[3] + size > self.window_bytes
                     )
                     and addr not in self._dead
                 ),
@@ -230,9 +229,9 @@ class Links:
             # a peer that died meanwhile has no window any more
             outs = [self._out.setdefault((a, actor), [0, 0, 0, 0]) for a in addrs]
         seqs = []
-        for out in outs:
+        for out, size in zip(outs, nbytes):
             out[0] += 1
-            out[1] += nbytes
+            out[1] += size
             seqs.append(out[0])
         return seqs
 

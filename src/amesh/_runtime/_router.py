@@ -10,6 +10,12 @@ A call or cast to ranks behind a relay depends on that relay. When a relay dies:
   resend goes out before anything newer, per-sender order holds. The sender keeps
   each relayed cast until every rank behind a relay credited it, which flow control
   bounds by the send window.
+
+A scattered request (each rank its own arguments: see :data:`Payloads`) cannot share
+one frame down a subtree. A scattered call skips the relay tree: each rank gets its own
+:class:`~amesh._wire.Call` straight from the sender. A scattered cast is one cast per
+rank, each with its own id, down the tree along that rank's own path, so it stays in
+order behind earlier casts to the rank (and is sent again if a relay on it dies).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 from .. import _wire
 from .._codec import Payload
@@ -27,7 +33,10 @@ from ._context import call_context
 from ._links import Links
 from ._tree import Nodes, plan
 
-__all__ = ["Router", "Tree"]
+__all__ = ["Payloads", "Router", "Tree"]
+
+#: a request's arguments: one payload for every target, or one per target rank
+Payloads: TypeAlias = Payload | Mapping[int, Payload]
 
 
 class Tree(NamedTuple):
@@ -90,10 +99,11 @@ class Router:
         method: str,
         labels: list[str],
         sizes: list[int],
-        payload: Payload,
+        payload: Payloads,
         tree: Tree | None = None,
     ) -> None:
-        """Send the call of ``pending`` to each of its target ranks (down ``tree``)."""
+        """Send the call of ``pending`` to each of its target ranks (down ``tree``; a
+        scattered call, with a payload per rank, goes to each rank directly)."""
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
         if any(a in self._dead for a in pending.targets.values()):
@@ -107,6 +117,9 @@ class Router:
                     del pending.targets[rank]
                     self._calls.dec_inflight(addr, pending.actor)
             return
+        if not isinstance(payload, Payload):
+            await self._send_each(pending, method, labels, sizes, payload, chain)
+            return
         data, lengths, parts = _wire.pack(payload.data, payload.buffers)
         call_id = pending.call_id
         req = _wire.Relay(
@@ -117,6 +130,27 @@ class Router:
             await self._links.send(addr, _wire.addressed(req, rank, nodes), parts)
             self._calls.sent += 1
 
+    async def _send_each(
+        self,
+        pending: Pending,
+        method: str,
+        labels: list[str],
+        sizes: list[int],
+        payloads: Mapping[int, Payload],
+        chain: list[str],
+    ) -> None:
+        """Send each target rank of ``pending`` its own payload, directly."""
+        # a copy: ranks that answer while we send leave pending.targets
+        for rank, addr in list(pending.targets.items()):
+            payload = payloads[rank]
+            data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+            req = _wire.Call(
+                self.address, pending.call_id, rank, pending.actor, method, labels, sizes,
+                data, chain, lengths,
+            )  # fmt: skip
+            await self._links.send(addr, req, parts)
+            self._calls.sent += 1
+
     async def send_casts(
         self,
         actor: str,
@@ -124,11 +158,14 @@ class Router:
         method: str,
         labels: list[str],
         sizes: list[int],
-        payload: Payload,
+        payload: Payloads,
         tree: Tree | None = None,
         deadline: float = math.inf,
     ) -> None:
         """Send a :class:`~amesh._wire.Cast` to each target (down ``tree``): no replies.
+
+        A scattered cast (a payload per rank) is one cast per rank, each down its
+        own path of the tree; it takes flow-control room at every target at once.
 
         Raises:
             SupervisionError: a target is known to be dead (nothing is sent).
@@ -138,15 +175,38 @@ class Router:
             why = self._dead.get(addr)
             if why is not None:
                 raise SupervisionError(str(why), [why])
-        data, lengths, parts = _wire.pack(payload.data, payload.buffers)
-        nbytes = payload.nbytes
+        if isinstance(payload, Payload):
+            packed = [(targets, _wire.pack(payload.data, payload.buffers))]
+            nbytes = [payload.nbytes] * len(targets)
+        else:
+            packed = [
+                ({rank: addr}, _wire.pack(payload[rank].data, payload[rank].buffers))
+                for rank, addr in targets.items()
+            ]
+            nbytes = [payload[rank].nbytes for rank in targets]
         addrs = list(targets.values())
         numbers = await self._links.acquire(addrs, actor, nbytes, deadline)
         seqs = dict(zip(targets, zip(addrs, numbers)))
-        req = _wire.Relay(
-            self.address, self._calls.next_id(), -1, actor, method, labels, sizes, data, [],
-            lengths, "", 0, [],
-        )  # fmt: skip
+        # Posted, not awaited: the windows just taken are counted as sent, so the
+        # frames must go out even if the caller is cancelled now (flow control
+        # bounds what may queue).
+        for to, (data, lengths, parts) in packed:
+            req = _wire.Relay(
+                self.address, self._calls.next_id(), -1, actor, method, labels, sizes, data,
+                [], lengths, "", 0, [],
+            )  # fmt: skip
+            self._post_cast(req, parts, to, tree, seqs)
+
+    def _post_cast(
+        self,
+        req: _wire.Relay,
+        parts: list[Any],
+        targets: dict[int, str],
+        tree: Tree | None,
+        seqs: dict[int, tuple[str, int]],
+    ) -> None:
+        """Post cast ``req`` to ``targets`` (down ``tree``; kept until credited when
+        it goes through relays); ``seqs``: each rank's (address, cast number)."""
         if tree is None:
             heads = self._heads(targets, None)
         else:
@@ -156,9 +216,6 @@ class Router:
             heads = route.heads
             if route.via:
                 self._keep(req, parts, tree, route.via, seqs)
-        # Posted, not awaited: the windows just taken are counted as sent, so the
-        # frames must go out even if the caller is cancelled now (flow control
-        # bounds what may queue).
         for addr, rank, nodes in heads:
             self._links.send_nowait(addr, _wire.addressed(req, rank, nodes), parts)
 

@@ -9,7 +9,8 @@ one runtime while it is active. The runtime is made of parts with one job each:
   tree), and what a relay's death means for them;
 - :class:`~amesh._runtime._relay.Relays`: requests this process relays, and gathers;
 - :class:`~amesh._runtime._peers.Peers`: liveness, deaths and who must hear of them;
-- :class:`~amesh._runtime._dispatch.Dispatch`: local actors, dedup, cancels, deadlocks.
+- :class:`~amesh._runtime._dispatch.Dispatch`: local actors, dedup, cancels, deadlocks;
+- :class:`~amesh._runtime._output.Outputs`: the printers of its workers' output.
 
 :meth:`Runtime.deliver` runs synchronously on the event loop for each inbound frame and
 hands each envelope to the part that owns it.
@@ -45,13 +46,15 @@ from ._context import is_local, native_event_class, runtime_var
 from ._dispatch import Dispatch
 from ._links import CREDIT_BATCH, CREDIT_BATCH_BYTES, Links, send_window
 from ._mailbox import ActorInstance, Owned
+from ._output import Outputs
 from ._peers import Peers
 from ._relay import Relays
-from ._router import Router, Tree
+from ._router import Payloads, Router, Tree
 
 __all__ = [
     "CREDIT_BATCH",
     "CREDIT_BATCH_BYTES",
+    "Payloads",
     "Pending",
     "Runtime",
     "RuntimeStats",
@@ -100,8 +103,9 @@ def current_runtime() -> Runtime:
     rt = runtime_var.get()
     if rt is None or rt.closed:
         raise RuntimeError(
-            "no amesh runtime is active here: use this inside `async with ProcMesh(...)` "
-            "or `amesh.run(main)`"
+            "no amesh runtime is active here: use this inside `async with ProcMesh(...)`, "
+            "`amesh.run(main)`, or through what amesh's awaitables do outside them (the "
+            "session: `await procs.spawn(...)`, `.get()`)"
         )
     return rt
 
@@ -139,12 +143,17 @@ class Runtime:
         self.queued = self.dispatch.queued
         self.cancelled = self.dispatch.cancelled
         self.ready_waiters: dict[str, Callable[[_wire.Ready], None]] = {}
+        #: printers of the output of the workers this runtime supervises
+        self.outputs = Outputs()
         #: actor key -> what to do with a failure report from ``peer``
         self.failure_handlers: dict[str, Callable[[_wire.FailureReport, str], None]] = {}
         #: meshes started outside any actor (owned by the controller itself)
         self.owned: list[Owned] = []
         #: unhandled failures of those meshes; they cancel the runtime's body
         self.root_failures: list[Failure] = []
+        #: instead of cancelling the body, what to do with such a failure (the
+        #: session's runtime has no body to cancel: it prints them)
+        self.on_root_failure: Callable[[Failure], None] | None = None
         self._frames_dropped = 0
         #: replies to calls no longer open (late, after a timeout or cancel)
         self._late = 0
@@ -257,12 +266,18 @@ class Runtime:
         method: str,
         labels: list[str],
         sizes: list[int],
-        payload: Payload,
+        payload: Payloads,
         tree: Tree | None = None,
     ) -> None:
-        """Send the call of ``pending`` to each of its target ranks (down ``tree``)."""
-        if payload.segments:
-            pending.payload = payload  # released when the call closes
+        """Send the call of ``pending`` to each of its target ranks (down ``tree``; one
+        payload per rank goes to each rank directly, see :meth:`Router.send_requests`)."""
+        if isinstance(payload, Payload):
+            if payload.segments:
+                pending.payload = payload  # released when the call closes
+        else:
+            segments = [s for p in payload.values() for s in p.segments]
+            if segments:
+                pending.payload = Payload(b"", (), segments)  # every rank's, for release
         await self.router.send_requests(pending, method, labels, sizes, payload, tree)
 
     async def send_casts(
@@ -272,7 +287,7 @@ class Runtime:
         method: str,
         labels: list[str],
         sizes: list[int],
-        payload: Payload,
+        payload: Payloads,
         tree: Tree | None = None,
         deadline: float = math.inf,
     ) -> None:
@@ -287,6 +302,9 @@ class Runtime:
 
     def fail_root(self, failure: Failure) -> None:
         """An unhandled failure reached the top of this process: cancel its body."""
+        if self.on_root_failure is not None:
+            self.on_root_failure(failure)
+            return
         self.root_failures.append(failure)
         if self.body is not None:
             self.body.cancel()
@@ -372,9 +390,13 @@ class Runtime:
     def _on_reply(
         self, env: _wire.Reply | _wire.Error, buffers: list[Any], cid: int, peer: str
     ) -> None:
-        if not self.calls.on_reply(env, buffers, cid, peer) and not self.relays.on_reply(
-            env, buffers, cid, peer
-        ):
+        if self.calls.on_reply(env, buffers, cid, peer):
+            if self.outputs.holding:
+                pending = self.calls.pending.get(cid)
+                if pending is not None and not pending.targets:
+                    # the call's last reply: what its handlers printed is shown first
+                    self.outputs.release()
+        elif not self.relays.on_reply(env, buffers, cid, peer):
             self._late += 1
             if isinstance(env, _wire.Reply):
                 # nobody will load it: its shared-memory segments go now
@@ -426,6 +448,7 @@ class Runtime:
             waiter = self.ready_waiters.pop(env.token, None)
             if waiter is not None:
                 waiter(env)
+                self.outputs.started(env.addr)
         elif isinstance(env, _wire.FailureReport):
             self._on_failure(env, peer)
         elif isinstance(env, _wire.Heartbeat):
@@ -439,6 +462,11 @@ class Runtime:
             if not self.peers.on_notice(env, peer):
                 self._refused += 1
                 _drops.warning("dropped a death notice for %s from %s", env.addr, peer)
+        elif isinstance(env, _wire.Output):
+            # only from a process this runtime supervises (it has a printer)
+            if not self.outputs.deliver(env, peer):
+                self._refused += 1
+                _drops.warning("dropped the output of %s, which is not supervised here", peer)
 
 
 #: runtimes open in this process (in-process test workers are runtimes too)
@@ -537,7 +565,7 @@ class open_runtime:
                 f"{len(failures)} unhandled supervision failure(s): "
                 + "; ".join(str(f).splitlines()[0] for f in failures),
                 failures,
-            )
+            ) from None  # not the body's cancellation: that is how the failure stopped it
         return suppressed
 
 

@@ -4,6 +4,11 @@ Every connection proves that its dialer holds the job key before anything it sen
 decoded (:mod:`._auth`), and a link that breaks is reported to the owner
 (``set_lost_handler``).
 
+``tcp`` means encrypted between hosts: a :class:`HybridTransport` (:mod:`._hybrid`)
+speaks NNG over ``tls+tcp`` to other hosts and event-loop streams within its host, under
+one ``tls+tcp://`` address. ``stream+tcp`` is the plain opt-out (still authenticated by
+the job key).
+
 The NNG transports (:mod:`._nng`, :mod:`._ext`) are imported only when one is chosen
 or an NNG address is dialled: with the default stream transport, pynng is never
 imported.
@@ -15,17 +20,21 @@ import os
 from typing import Protocol
 
 from ._base import Deliver, Transport, TransportClosed, TransportStats
+from ._hybrid import TLS_PREFIX, HybridTransport, local_route, open_tls
 from ._stream import StreamBeat, StreamTransport, is_stream_address
 
 __all__ = [
     "Deliver",
     "HeartbeatSender",
+    "HybridTransport",
     "StreamTransport",
     "Transport",
     "TransportClosed",
     "TransportStats",
     "default_impl",
     "heartbeat_sender",
+    "local_route",
+    "open_tls",
     "open_transport",
 ]
 
@@ -40,6 +49,9 @@ def default_impl() -> str:
     Measured on a 2-CPU box, a round trip costs ~45-85 µs over ``stream`` and
     ~190-300 µs over ``ext``: NNG does its socket I/O on its own threads, and the hops
     and wake-ups between those threads and the event loop are most of that gap.
+
+    With ``ext`` or ``nng`` every link is NNG's: ``tcp`` then is NNG over ``tls+tcp``
+    alone, within a host too.
     """
     impl = os.environ.get("AMESH_TRANSPORT_IMPL", "")
     if impl not in ("", *_IMPLS):
@@ -53,32 +65,47 @@ def open_transport(
     """Open the default transport, listening on a fresh address.
 
     Args:
-        scheme: ``"abstract"`` (Linux abstract sockets, no files), ``"ipc"``
-            (socket files), ``"tcp"``, ``"tls+tcp"`` (tcp with TLS, both ends showing a
-            certificate of the job: an NNG transport, whatever :func:`default_impl`
-            says) or ``"auto"`` (abstract on Linux, else ipc). A ``stream+`` prefix
-            (the scheme of a :class:`StreamTransport` address) asks for a
+        scheme: ``"abstract"`` (Linux abstract sockets, no files), ``"ipc"`` (socket
+            files), ``"tcp"`` or ``"tls+tcp"`` (the same: TLS between hosts, both ends
+            showing a certificate of the job, and event-loop streams within a host; a
+            :class:`HybridTransport`, or an NNG transport alone over ``tls+tcp`` when
+            :func:`default_impl` names one), ``"stream+tcp"`` (plain event-loop streams
+            over tcp, authenticated by the job key but not encrypted) or ``"auto"``
+            (abstract on Linux, else ipc). A ``stream+`` prefix asks for a
             :class:`StreamTransport` unless ``reach`` says otherwise.
-        host: the interface for ``tcp`` and ``tls+tcp``; loopback unless you mean
-            otherwise.
+        host: the interface for the tcp schemes; loopback unless you mean otherwise.
         reach: an address the transport must be able to send to (a worker's parent):
-            its kind decides between :class:`StreamTransport` and the NNG transports,
-            whatever :func:`default_impl` says; ``None`` leaves it to the scheme and
-            :func:`default_impl`.
+            its kind decides between :class:`StreamTransport`, TLS (as for ``tcp``)
+            and the NNG transports, whatever ``scheme`` and :func:`default_impl` say;
+            ``None`` leaves it to them.
     """
     impl = default_impl()
     if reach is not None:
         if is_stream_address(reach):
-            impl = "stream"
-        elif impl == "stream":
+            return StreamTransport(scheme.removeprefix("stream+"), host=host)
+        if reach.startswith(TLS_PREFIX):
+            return _open_tls(impl, host)
+        if impl == "stream":
             impl = _nng_impl()
     elif is_stream_address(scheme):
-        impl = "stream"
-    elif scheme == "tls+tcp" and impl == "stream":
-        impl = _nng_impl()  # only NNG speaks TLS here
+        return StreamTransport(scheme.removeprefix("stream+"), host=host)
+    elif scheme in ("tcp", "tls+tcp"):
+        return _open_tls(impl, host)
     scheme = scheme.removeprefix("stream+")
     if impl == "stream":
         return StreamTransport(scheme, host=host)
+    return _open_nng(impl, scheme, host)
+
+
+def _open_tls(impl: str, host: str) -> Transport:
+    """TLS between hosts: a :class:`HybridTransport`, or only the NNG transport that
+    ``impl`` names."""
+    if impl == "stream":
+        return HybridTransport(host)
+    return _open_nng(impl, "tls+tcp", host)
+
+
+def _open_nng(impl: str, scheme: str, host: str) -> Transport:
     if impl == "ext":
         from ._ext import ExtTransport
 

@@ -63,6 +63,7 @@ __all__ = [
     "answer",
     "check_peer",
     "describe_peer",
+    "has_key",
     "hello",
     "job_key",
     "read_key_file",
@@ -106,6 +107,12 @@ class Refused(Exception):
 
 
 # -- the key ---------------------------------------------------------------------------
+
+
+def has_key() -> bool:
+    """Whether this process holds its job key yet (adopted, read or made by
+    :func:`job_key`): from then on it is the key its peers prove themselves with."""
+    return _key is not None
 
 
 def job_key() -> bytes:

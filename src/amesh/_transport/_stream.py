@@ -101,13 +101,18 @@ __all__ = ["HIGH_WATER", "StreamBeat", "StreamTransport", "is_stream_address", "
 log = logging.getLogger(__name__)
 
 
-def _listen(scheme: str, host: str, port: int = 0) -> tuple[socket.socket, str, str | None]:
+def _listen(
+    scheme: str, host: str, port: int = 0, name: str = ""
+) -> tuple[socket.socket, str, str | None]:
     """A non-blocking listening socket on a fresh address (for tcp: on ``port``, 0 for
-    one the kernel picks): (socket, address, ipc path)."""
+    one the kernel picks; for abstract: on ``name`` when given): (socket, address, ipc
+    path)."""
     scheme = scheme.removeprefix(PREFIX)
     if scheme == "auto":
         scheme = "abstract" if sys.platform == "linux" else "ipc"
-    addr = fresh_address(scheme, host.strip("[]"), port)
+    if name and scheme != "abstract":
+        raise ValueError(f"only an abstract socket listens on a given name, not {scheme!r}")
+    addr = f"{PREFIX}abstract://{name}" if name else fresh_address(scheme, host.strip("[]"), port)
     family, sockaddr = parse_address(addr)
     if scheme == "ipc":
         ensure_ipc_dir()
@@ -144,9 +149,16 @@ class StreamTransport:
         port: the tcp port to listen on (0: one the kernel picks).
         max_frame: the largest frame accepted, in bytes (sent and received; at most
             2**32 - 1).
+        name: for ``abstract``, the name to listen on (else a fresh one).
+        identity: the address this transport's links prove they speak for (see
+            :mod:`._auth`), and so the ``peer`` their frames arrive from; its own
+            address unless given (a :class:`~._hybrid.HybridTransport` gives its
+            ``tls+tcp`` address).
 
     Raises:
-        ValueError: an unknown scheme, or ``max_frame`` out of range.
+        ValueError: an unknown scheme, ``max_frame`` out of range, or a ``name`` for
+            another scheme than ``abstract``.
+        OSError: the address is taken (``name``, or a tcp ``port``).
     """
 
     #: On asyncio, do the I/O with the loop's protocols (else as on trio).
@@ -159,6 +171,8 @@ class StreamTransport:
         host: str = "127.0.0.1",
         port: int = 0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        name: str = "",
+        identity: str = "",
     ) -> None:
         if not 0 <= max_frame <= MAX_SIZE:
             raise ValueError(f"max_frame must be between 0 and {MAX_SIZE}, not {max_frame}")
@@ -178,7 +192,8 @@ class StreamTransport:
         self._tasks: set[Any] = set()
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
         self._lost_handler: Callable[[str, str], None] | None = None
-        self._lsock, self._address, self._ipc_path = _listen(scheme, host, port)
+        self._lsock, self._address, self._ipc_path = _listen(scheme, host, port, name)
+        self._identity = identity or self._address
         self._refusals = Refusals(self._address)
 
     @property
@@ -229,9 +244,9 @@ class StreamTransport:
             family, sockaddr = parse_address(addr)
             if self._fast():
                 assert self._loop is not None
-                link = AioLink(self._loop, addr, family, sockaddr, self._address, self._link_lost)
+                link = AioLink(self._loop, addr, family, sockaddr, self._identity, self._link_lost)
             else:
-                link = AnyioLink(addr, family, sockaddr, self._address, self._link_lost)
+                link = AnyioLink(addr, family, sockaddr, self._identity, self._link_lost)
                 spawn_system_task(self._backend, link.run, self._tasks)
             self._links[addr] = link
         return link

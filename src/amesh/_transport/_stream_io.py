@@ -75,6 +75,8 @@ class AioInbound(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._paused = False
         self._who = "a peer"
+        #: whether the dialer sent anything (one that leaves without a word probed)
+        self._heard = False
         #: the dialer's address, once it has proven itself
         self.peer = ""
 
@@ -115,6 +117,7 @@ class AioInbound(asyncio.BufferedProtocol):
         """Bytes of the handshake: pass on what follows a good answer, refuse a bad one."""
         gate = self._gate
         assert gate is not None
+        self._heard = True
         try:
             rest = gate.buffer_updated(nbytes)
         except Refused as exc:
@@ -154,7 +157,11 @@ class AioInbound(asyncio.BufferedProtocol):
             self._timer = None
         if self._gate is not None and not self._owner._closed:
             self._gate = None
-            self._owner._refusals.refuse(self._who, "closed the connection before the handshake")
+            if self._heard:
+                why = "closed the connection before the handshake"
+                self._owner._refusals.refuse(self._who, why)
+            else:  # a probe (see _hybrid.local_alias): it tried nothing
+                log.debug("%s connected and left without a word", self._who)
         self._owner._inbound.discard(self)
 
     def pause(self) -> None:
@@ -669,11 +676,16 @@ class AnyioInbound:
         gate, sock = self.gate, self.sock
         if gate is None:
             return True
+        why: str | None
         self.who, why = check_peer(sock)
         if not why:
             why = f"no handshake within {HANDSHAKE_TIMEOUT:g} s"
             with anyio.move_on_after(HANDSHAKE_TIMEOUT):
                 why = await self._check(gate, sock)
+        if why is None:  # a probe (see _hybrid.local_alias): it tried nothing
+            log.debug("%s connected and left without a word", self.who)
+            self.gate = None
+            return False
         if why:
             self.gate = None
             self._owner._refusals.refuse(self.who, why)
@@ -682,12 +694,14 @@ class AnyioInbound:
         self.peer = gate.peer
         return True
 
-    async def _check(self, gate: Gate, sock: socket.socket) -> str:
-        """Why the peer is refused, or "" once its answer is good."""
+    async def _check(self, gate: Gate, sock: socket.socket) -> str | None:
+        """Why the peer is refused, "" once its answer is good, or None when it closed
+        the connection without sending a byte."""
+        heard = False
         try:
             sock.send(gate.challenge, NOSIGNAL)  # a fresh socket takes 36 bytes at once
-        except OSError as exc:
-            return f"cannot send the challenge ({exc})"
+        except OSError:  # the peer is gone already
+            return None
         while True:
             await anyio.wait_readable(sock)
             try:
@@ -695,9 +709,10 @@ class AnyioInbound:
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError as exc:
-                return f"the connection broke ({exc})"
+                return f"the connection broke ({exc})" if heard else None
             if n == 0:
-                return "closed the connection before the handshake"
+                return "closed the connection before the handshake" if heard else None
+            heard = True
             try:
                 rest = gate.buffer_updated(n)
             except Refused as exc:

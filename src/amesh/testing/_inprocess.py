@@ -48,9 +48,18 @@ class InProcessWorker:
         from .._worker import serve
 
         @contextmanager
-        def heartbeats(rt: Runtime) -> Iterator[None]:
-            rt.start_soon(self._beat, rt, parent, heartbeat_period)
-            yield
+        def heartbeats(rt: Runtime, to: str) -> Iterator[None]:
+            scope = anyio.CancelScope()
+
+            async def beat() -> None:
+                with scope:
+                    await self._beat(rt, to, heartbeat_period)
+
+            rt.start_soon(beat)
+            try:
+                yield
+            finally:
+                scope.cancel()
 
         code = 0
         try:

@@ -1,0 +1,682 @@
+"""Remote debugging: ``breakpoint()`` in an endpoint, on any rank, pauses that handler in
+a pdb session that the controller's user attaches to (:func:`debug`, or ``amesh debug``
+in another terminal).
+
+Worker side: :func:`breakpointhook` is the worker's ``sys.breakpointhook``. It connects
+to the controller's debug listener (the address in ``AMESH_DEBUG_LISTENER``, which the controller
+gives the workers it starts on its machine), from the thread that hit the breakpoint and
+without the event loop (which may be that thread), announces the paused rank, and runs
+pdb on the caller's frame with the connection as its input and output. ``continue``,
+``quit`` or the end of the connection (the user detached) ends the session: the
+handler goes on.
+
+Controller side: :class:`DebugListener`, one listening socket (a Linux abstract unix
+socket) and a thread per connection, started when the controller starts its first
+local worker. It keeps the paused sessions, and splices a client (:func:`debug`, ``amesh
+debug``) to the one it chose. Once a rank pauses, it writes
+``<state dir>/debug/<pid>.json`` (mode 0600: the address and the job key, in hex, as
+readable as the key file of the state directory) for ``amesh debug``, and removes it
+when the controller exits.
+
+Both ends prove that they hold the job key: the dialer answers the listener's stream
+challenge (:mod:`amesh._transport._auth`), then the listener answers the dialer's nonce
+(:func:`_listener_proof`), so that a squatter of the address gets no pdb session either.
+A peer of another uid is refused before the challenge.
+
+After the handshake each side sends JSON lines: the first says who it is (``role``
+``worker`` with where it paused, or ``client``); a worker then sends its output
+(``{"out": text}``) and asks for each line of input (``{"read": 1}``), which comes back
+as one raw line; a client lists (``{"op": "list"}``) and attaches (``{"op": "attach"}``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hmac
+import json
+import os
+import pdb
+import secrets
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any, cast
+
+import anyio
+
+from ._runtime._context import call_context
+from ._runtime._session import bridged
+from ._transport._auth import (
+    HANDSHAKE_TIMEOUT,
+    Gate,
+    Refusals,
+    Refused,
+    check_peer,
+    job_key,
+)
+from ._transport._stream_wire import StreamBeat, fresh_address, parse_address
+
+__all__ = ["DEBUG_ENV", "DebugListener", "breakpointhook", "cli", "debug", "debug_env"]
+
+#: The environment variable that tells a worker where its breakpoints go.
+DEBUG_ENV = "AMESH_DEBUG_LISTENER"
+_TAG = b"amesh debug listener v1\0"
+_NONCE = 32
+_CHUNK = 65536
+#: The longest JSON line a listener takes before a session is attached.
+_MAX_LINE = 65536
+
+
+# -- connections (both ends) -------------------------------------------------------------
+
+
+class _Conn:
+    """A blocking socket with a read buffer: JSON lines and raw lines."""
+
+    def __init__(self, sock: socket.socket, pending: bytes = b"") -> None:
+        self.sock = sock
+        self._buf = bytearray(pending)
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(_CHUNK)
+        self._buf += data
+        return bool(data)
+
+    def read_exact(self, n: int) -> bytes:
+        """The next ``n`` bytes.
+
+        Raises:
+            EOFError: the peer closed the connection first.
+        """
+        while len(self._buf) < n:
+            if not self._fill():
+                raise EOFError("the peer closed the connection")
+        data = bytes(self._buf[:n])
+        del self._buf[:n]
+        return data
+
+    def readline(self, limit: int | None = None) -> bytes:
+        """The next line with its ``\\n`` (without one at the end of the stream).
+
+        Raises:
+            ValueError: no line end within ``limit`` bytes.
+        """
+        while (end := self._buf.find(b"\n")) < 0:
+            if limit is not None and len(self._buf) > limit:
+                raise ValueError(f"a line longer than {limit} bytes")
+            if not self._fill():
+                end = len(self._buf) - 1
+                break
+        line = bytes(self._buf[: end + 1])
+        del self._buf[: end + 1]
+        return line
+
+    def recv(self, limit: int | None = None) -> dict[str, Any] | None:
+        """The next JSON object, None at the end of the stream.
+
+        Raises:
+            ValueError: what came is not a JSON object.
+        """
+        line = self.readline(limit)
+        if not line.endswith(b"\n"):
+            return None
+        msg = json.loads(line)
+        if not isinstance(msg, dict):
+            raise ValueError("not a JSON object")
+        return msg
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+
+    def take(self) -> bytes:
+        """What was read but not consumed (handed over by a splice)."""
+        data = bytes(self._buf)
+        self._buf.clear()
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _listener_proof(nonce: bytes, address: str) -> bytes:
+    return hmac.digest(job_key(), _TAG + nonce + address.encode(), "sha256")
+
+
+def _dial(address: str) -> _Conn:
+    """An authenticated connection to the debug listener at ``address``, both ways.
+
+    Raises:
+        OSError: cannot connect.
+        Refused: the listener refused us, or did not prove that it holds the job key.
+    """
+    fd = StreamBeat(address, timeout=HANDSHAKE_TIMEOUT).connect_fd()
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        nonce = secrets.token_bytes(_NONCE)
+        conn = _Conn(sock)
+        try:
+            sock.sendall(nonce)
+            proof = conn.read_exact(len(_listener_proof(nonce, address)))
+        except (EOFError, ConnectionError):  # it closed on a wrong answer
+            raise Refused("the debug listener refused the connection") from None
+        if not hmac.compare_digest(proof, _listener_proof(nonce, address)):
+            raise Refused("the debug listener did not prove that it holds the job key")
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return conn
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def _copy(src: _Conn, dst: socket.socket) -> None:
+    """Forward ``src`` to ``dst`` until either end closes; then end ``dst``'s stream."""
+    try:
+        data = src.take()
+        while True:
+            if data:
+                dst.sendall(data)
+            data = src.sock.recv(_CHUNK)
+            if not data:
+                break
+    except OSError:
+        pass
+    finally:
+        _shut(dst)
+
+
+# -- the controller's listener -------------------------------------------------------------
+
+
+class _Paused:
+    """A rank paused in pdb, waiting for (or attached to) a client."""
+
+    def __init__(self, ident: int, info: dict[str, Any], conn: _Conn) -> None:
+        self.ident = ident
+        self.info = info
+        self.conn = conn
+        self.attached = False
+
+    @property
+    def title(self) -> str:
+        """``trainers[3] at train.py:42``."""
+        info = self.info
+        rank = info.get("rank")
+        who = f"{info.get('label')}[{rank}]" if rank is not None else str(info.get("label"))
+        return f"{who} at {os.path.basename(str(info.get('file')))}:{info.get('line')}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.ident, "title": self.title, **self.info}
+
+    def alive(self) -> bool:
+        pid = self.info.get("pid")
+        if not isinstance(pid, int):
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+class DebugListener:
+    """Where the workers' breakpoints go: the paused sessions of this controller, and
+    clients that attach to them (see the module doc).
+
+    Args:
+        files: the directory of the file that ``amesh debug`` finds us by (called when
+            the first rank pauses).
+
+    Raises:
+        OSError: cannot listen.
+    """
+
+    def __init__(self, files: Callable[[], Path]) -> None:
+        self.address = fresh_address("abstract")
+        family, sockaddr = parse_address(self.address)
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(sockaddr)
+            self._sock.listen(64)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._files = files
+        self._file: Path | None = None
+        self._paused: dict[int, _Paused] = {}
+        self._cond = threading.Condition()
+        self._next = 1
+        self._refusals = Refusals(self.address)
+        self._closed = False
+        threading.Thread(target=self._accept, name="amesh-debug", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._serve, args=(sock,), name="amesh-debug-conn", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        who, why = check_peer(sock)
+        try:
+            if why:
+                raise Refused(why)
+            conn = self._handshake(sock)
+            hello = conn.recv(_MAX_LINE)
+            sock.settimeout(None)
+        except (OSError, EOFError, ValueError, Refused) as exc:
+            self._refusals.refuse(who, str(exc) or type(exc).__name__)
+            sock.close()
+            return
+        role = (hello or {}).get("role")
+        if role == "worker" and hello is not None:
+            self._add(hello, conn)
+        elif role == "client":
+            try:
+                self._serve_client(conn)
+            except (OSError, ValueError):
+                pass
+            finally:
+                conn.close()
+        else:
+            conn.close()
+
+    def _handshake(self, sock: socket.socket) -> _Conn:
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        gate = Gate(self.address)
+        sock.sendall(gate.challenge)
+        rest = None
+        while rest is None:
+            n = sock.recv_into(gate.get_buffer())
+            if not n:
+                raise Refused("closed during the handshake")
+            rest = gate.buffer_updated(n)
+        conn = _Conn(sock, bytes(rest))
+        sock.sendall(_listener_proof(conn.read_exact(_NONCE), self.address))
+        return conn
+
+    def _add(self, info: dict[str, Any], conn: _Conn) -> None:
+        with self._cond:
+            if self._closed:
+                conn.close()
+                return
+            paused = _Paused(self._next, info, conn)
+            self._next += 1
+            self._paused[paused.ident] = paused
+            self._cond.notify_all()
+        self._announce()
+        print(
+            f"amesh: {paused.title} paused (pid {info.get('pid')}): attach with "
+            "`await amesh.debug()` here or `amesh debug` in another terminal",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _announce(self) -> None:
+        """Write the file that ``amesh debug`` finds this listener by (once)."""
+        if self._file is not None:
+            return
+        try:
+            folder = self._files()
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = folder / f"{os.getpid()}.json"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "address": self.address, "key": job_key().hex()}, f)
+        except OSError as exc:
+            print(f"amesh: `amesh debug` cannot find this controller: {exc}", file=sys.stderr)
+            return
+        self._file = path
+
+    def sessions(self, wait: float | None = 0.0) -> list[_Paused]:
+        """The paused sessions nobody is attached to, once there is one (or ``wait``
+        seconds passed; None: however long it takes)."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._live()), wait)
+            return self._live()
+
+    def _live(self) -> list[_Paused]:
+        for p in [p for p in self._paused.values() if not p.alive()]:
+            del self._paused[p.ident]
+            p.conn.close()
+        return [p for p in self._paused.values() if not p.attached]
+
+    def _serve_client(self, conn: _Conn) -> None:
+        while (msg := conn.recv(_MAX_LINE)) is not None:
+            if msg.get("op") == "list":
+                wait = msg.get("wait")
+                found = self.sessions(wait if isinstance(wait, int | float) else None)
+                conn.send({"sessions": [p.describe() for p in found]})
+            elif msg.get("op") == "attach":
+                with self._cond:
+                    paused = self._paused.get(msg.get("id"))  # type: ignore[arg-type]
+                    free = paused is not None and not paused.attached
+                    if paused is not None and free:
+                        paused.attached = True
+                if paused is None or not free:
+                    conn.send({"error": "that rank is no longer paused, or taken"})
+                    continue
+                conn.send({"attached": paused.ident})
+                self._splice(paused, conn)
+                return
+
+    def _splice(self, paused: _Paused, client: _Conn) -> None:
+        down = threading.Thread(
+            target=_copy, args=(paused.conn, client.sock), name="amesh-debug-out", daemon=True
+        )
+        down.start()
+        _copy(client, paused.conn.sock)
+        down.join()
+        with self._cond:
+            self._paused.pop(paused.ident, None)
+        paused.conn.close()
+
+    def close(self) -> None:
+        """Stop listening, let every paused rank go on, remove the file."""
+        with self._cond:
+            self._closed = True
+            paused, self._paused = list(self._paused.values()), {}
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        for p in paused:
+            _shut(p.conn.sock)
+        if self._file is not None:
+            self._file.unlink(missing_ok=True)
+            self._file = None
+
+
+_listener: DebugListener | None = None
+_listener_lock = threading.Lock()
+
+
+def debug_env(files: Callable[[], Path]) -> dict[str, str]:
+    """What the environment of a worker started on this machine needs for its
+    breakpoints: the address of this controller's listener (started on first use;
+    ``files``: see :class:`DebugListener`), or nothing in a worker, whose children
+    inherit its controller's."""
+    global _listener
+    if os.environ.get(DEBUG_ENV):
+        return {}
+    with _listener_lock:
+        if _listener is None:
+            try:
+                _listener = DebugListener(files)
+            except OSError as exc:
+                print(f"amesh: no remote debugging ({exc})", file=sys.stderr)
+                return {}
+            atexit.register(_listener.close)
+        return {DEBUG_ENV: _listener.address}
+
+
+# -- the worker's side ----------------------------------------------------------------------
+
+
+class _Channel:
+    """pdb's stdin and stdout: output goes out as it is written, each line of input
+    is asked for; a closed connection reads as the end of input."""
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn = conn
+        self._open = True
+
+    def write(self, text: str) -> int:
+        if text and self._open:
+            try:
+                self._conn.send({"out": text})
+            except OSError:
+                self._open = False
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def readline(self) -> str:
+        if not self._open:
+            return ""
+        try:
+            self._conn.send({"read": 1})
+            return self._conn.readline().decode(errors="replace")
+        except OSError:
+            self._open = False
+            return ""
+
+    def close(self) -> None:
+        self._open = False
+        self._conn.close()
+
+
+class _RemotePdb(pdb.Pdb):
+    """pdb over a connection to the controller; leaving it (``continue``, ``quit``, the
+    end of input) lets the program go on and closes the connection."""
+
+    def __init__(self, channel: _Channel) -> None:
+        io = cast("IO[str]", channel)  # what pdb uses of a file, no more
+        super().__init__(stdin=io, stdout=io, nosigint=True, readrc=False)
+        self._channel = channel
+        self.prompt = "(Pdb) "
+
+    def _leave(self) -> bool:
+        # the session ends with the connection: breakpoints set in it cannot stop again
+        self.clear_all_breaks()
+        self.set_continue()
+        self._channel.close()
+        return True
+
+    def do_continue(self, arg: str) -> bool:
+        """c(ont(inue)): go on; this session ends."""
+        return self._leave()
+
+    def do_quit(self, arg: str) -> bool:
+        """q(uit): detach; the handler goes on (it is not aborted)."""
+        self.message("amesh: detached, the handler goes on")
+        return self._leave()
+
+    def do_EOF(self, arg: str) -> bool:
+        return self._leave()
+
+    do_c = do_cont = do_continue
+    do_q = do_exit = do_quit
+
+
+def _where(frame: FrameType) -> dict[str, Any]:
+    ctx = call_context.get()
+    inst = ctx.instance if ctx is not None else None
+    return {
+        "role": "worker",
+        "label": inst.name if inst is not None else f"pid {os.getpid()}",
+        "rank": inst.rank if inst is not None else None,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "thread": threading.current_thread().name,
+        "file": frame.f_code.co_filename,
+        "line": frame.f_lineno,
+        "function": frame.f_code.co_name,
+    }
+
+
+def breakpointhook(*args: Any, **kwargs: Any) -> Any:
+    """A worker's ``sys.breakpointhook``: pdb on the caller's frame, driven by the
+    controller (see the module doc); ``PYTHONBREAKPOINT`` still chooses another hook,
+    or none."""
+    if os.environ.get("PYTHONBREAKPOINT"):
+        return sys.__breakpointhook__(*args, **kwargs)
+    frame = sys._getframe(1)
+    address = os.environ.get(DEBUG_ENV)
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    if not address:
+        print(
+            f"amesh: breakpoint() at {where} skipped: no debugger reaches this worker",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    try:
+        conn = _dial(address)
+        conn.send(_where(frame))
+    except (OSError, ValueError, Refused) as exc:
+        print(f"amesh: breakpoint() at {where} skipped: {exc}", file=sys.stderr, flush=True)
+        return None
+    _RemotePdb(_Channel(conn)).set_trace(frame)
+    return None
+
+
+# -- clients: amesh.debug() and `amesh debug` --------------------------------------------
+
+
+def _choose(conn: _Conn, wait: float | None) -> dict[str, Any] | None:
+    """List the paused ranks (waiting up to ``wait`` seconds for one) and attach to the
+    one the user picks; None when none paused in time."""
+    while True:
+        conn.send({"op": "list", "wait": wait})
+        reply = conn.recv()
+        sessions: list[dict[str, Any]] = (reply or {}).get("sessions") or []
+        if reply is None or not sessions:
+            return None
+        if len(sessions) == 1:
+            chosen = sessions[0]
+        else:
+            print(f"amesh: {len(sessions)} ranks are paused:")
+            for i, s in enumerate(sessions, 1):
+                print(f"  {i}. {s['title']} (pid {s.get('pid')} on {s.get('host')})")
+            answer = input(f"attach to [1-{len(sessions)}, Enter lists again]: ").strip()
+            if not (answer.isdigit() and 1 <= int(answer) <= len(sessions)):
+                continue
+            chosen = sessions[int(answer) - 1]
+        conn.send({"op": "attach", "id": chosen["id"]})
+        reply = conn.recv()
+        if reply is not None and "attached" in reply:
+            return chosen
+        print(f"amesh: {(reply or {}).get('error', 'the listener went away')}")
+
+
+def _relay(conn: _Conn) -> None:
+    """Show the pdb session's output and send it the user's lines, until it ends."""
+    pending = ""
+    try:
+        while (msg := conn.recv()) is not None:
+            if "out" in msg:
+                text = pending + str(msg["out"])
+                head, sep, pending = text.rpartition("\n")
+                if sep:
+                    print(head, flush=True)
+            elif "read" in msg:
+                prompt, pending = pending, ""
+                conn.sock.sendall(input(prompt).encode() + b"\n")
+    except EOFError:  # the user's end of input: detach (the rank goes on)
+        pass
+    if pending:
+        print(pending, flush=True)
+
+
+def attach(address: str, wait: float | None = None) -> bool:
+    """Attach this terminal (``input()``, ``print()``) to a rank paused at the listener
+    at ``address``, chosen by the user when several are; returns once its session ended
+    (the rank goes on), False when no rank paused within ``wait`` seconds.
+
+    Raises:
+        OSError, Refused: cannot reach the listener.
+    """
+    conn = _dial(address)
+    try:
+        conn.send({"role": "client"})
+        chosen = _choose(conn, wait)
+        if chosen is None:
+            return False
+        print(
+            f"amesh: attached to {chosen['title']} (pid {chosen.get('pid')}); `c` lets it go on",
+            flush=True,
+        )
+        _relay(conn)
+        print(f"amesh: {chosen['title']} goes on", flush=True)
+        return True
+    finally:
+        conn.close()
+
+
+@bridged
+async def debug(timeout: float | None = None) -> bool:
+    """Attach to a rank paused in ``breakpoint()``: list the paused ranks, let the user
+    pick one (directly when only one is), then relay pdb between it and this terminal
+    (or notebook: ``input()`` and ``print()``) until ``continue``.
+
+    Args:
+        timeout: how long to wait for a rank to pause (None: as long as it takes).
+
+    Returns:
+        False when no rank paused within ``timeout``.
+
+    Raises:
+        RuntimeError: this controller has started no local worker yet.
+    """
+    address = _listener.address if _listener is not None else os.environ.get(DEBUG_ENV)
+    if not address:
+        raise RuntimeError("amesh.debug(): no worker was started here, nothing to debug")
+    return await anyio.to_thread.run_sync(attach, address, timeout, abandon_on_cancel=True)
+
+
+def cli(files: Path, pid: int | None) -> int:
+    """``amesh debug``: attach to a paused rank of a controller on this machine, found
+    by the file it wrote in ``files`` (see :class:`DebugListener`); an exit status."""
+    from ._transport._auth import adopt_key
+
+    found = _controllers(files)
+    if pid is not None:
+        found = [c for c in found if c["pid"] == pid]
+    if not found:
+        print("amesh debug: no controller of yours has a paused rank", file=sys.stderr)
+        return 1
+    if len(found) > 1:
+        pids = ", ".join(str(c["pid"]) for c in found)
+        print(
+            f"amesh debug: several controllers (pids {pids}): choose one with --pid",
+            file=sys.stderr,
+        )
+        return 2
+    adopt_key(bytes.fromhex(found[0]["key"]))
+    try:
+        if not attach(found[0]["address"], 0.0):
+            print("amesh debug: no rank is paused there now", file=sys.stderr)
+            return 1
+    except (OSError, Refused) as exc:
+        print(f"amesh debug: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _controllers(files: Path) -> list[dict[str, Any]]:
+    """The live controllers that announced a listener in ``files``: only files of ours
+    that nobody else may read are taken."""
+    out = []
+    for path in sorted(files.glob("*.json")):
+        try:
+            st = path.stat()
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                continue
+            entry = json.loads(path.read_text())
+            os.kill(int(entry["pid"]), 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out.append(entry)
+    return out

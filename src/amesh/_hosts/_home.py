@@ -1,0 +1,128 @@
+"""This machine's own host agent, started on demand: it holds the persistent meshes of
+controllers on this machine (``ProcMesh(..., name=, persistent=True)``).
+
+Its files live in the state directory (``AMESH_STATE_DIR``, else ``~/.cache/amesh``,
+made readable by its owner only):
+
+- ``key``: the key of this user's persistent meshes on this machine (made on first use,
+  like ``amesh keygen``). A controller that starts or attaches to such a mesh adopts it
+  as its job key, so it must do so before it starts any other mesh, or be started
+  with ``AMESH_KEY_FILE`` naming this file;
+- ``agent.addr``: where the agent listens (loopback tcp), written once it listens and
+  removed when it exits;
+- ``agent.log``: what it logs.
+
+The agent is started in a session of its own (it is nobody's child: it outlives the
+controller that started it) and exits by itself once it has had no worker and no
+controller for :data:`IDLE_EXIT` seconds. A lock file makes sure that two controllers
+starting at once start one agent.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+
+from .._config import env_float
+from .._transport._auth import write_key_file
+
+__all__ = ["IDLE_EXIT", "local_agent", "local_agent_address", "local_key", "state_dir"]
+
+#: Seconds the local agent lives on without workers or controllers
+#: (``AMESH_LOCAL_AGENT_IDLE``).
+IDLE_EXIT = 30.0
+#: How long a starting agent may take to listen.
+START_TIMEOUT = 30.0
+
+
+def state_dir() -> Path:
+    """``AMESH_STATE_DIR``, else ``~/.cache/amesh`` (created, mode 0700)."""
+    path = Path(os.environ.get("AMESH_STATE_DIR") or Path.home() / ".cache" / "amesh")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def local_key() -> Path:
+    """The key file of this machine's persistent meshes (made on first use)."""
+    path = state_dir() / "key"
+    try:
+        write_key_file(str(path))
+    except FileExistsError:
+        pass
+    return path
+
+
+def local_agent_address() -> str | None:
+    """Where the local agent listens, if one announced itself (it may be gone)."""
+    try:
+        return (state_dir() / "agent.addr").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+async def local_agent(reachable: Callable[[str], Awaitable[bool]]) -> str:
+    """The address of this machine's agent, started if none answers.
+
+    Args:
+        reachable: ``async (addr) -> bool``: whether an agent answers at ``addr``.
+    """
+    addr = local_agent_address()
+    if addr is not None and await reachable(addr):
+        return addr
+    lock = await anyio.to_thread.run_sync(_lock)
+    try:
+        addr = local_agent_address()  # another controller may have started it meanwhile
+        if addr is not None and await reachable(addr):
+            return addr
+        return await _start()
+    finally:
+        os.close(lock)
+
+
+def _lock() -> int:
+    fd = os.open(state_dir() / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+async def _start() -> str:
+    home = state_dir()
+    await anyio.to_thread.run_sync(_spawn_agent, home)
+    with anyio.move_on_after(START_TIMEOUT):
+        while True:
+            addr = local_agent_address()
+            if addr is not None:
+                return addr
+            await anyio.sleep(0.02)  # the agent writes the file once it listens
+    raise RuntimeError(
+        f"the local amesh agent did not start within {START_TIMEOUT:g} s; see {home / 'agent.log'}"
+    )
+
+
+def _spawn_agent(home: Path) -> None:
+    announce = home / "agent.addr"
+    announce.unlink(missing_ok=True)
+    idle = env_float("AMESH_LOCAL_AGENT_IDLE", IDLE_EXIT)
+    cmd = [sys.executable, "-m", "amesh", "agent", "--listen", "stream+tcp://127.0.0.1:0"]
+    cmd += ["--key-file", str(local_key()), "--announce", str(announce)]
+    cmd += ["--idle-exit", str(idle)]
+    env = dict(os.environ)
+    # the workers import what this controller imports
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    with open(home / "agent.log", "ab") as log:
+        # a new session, and a shell that does not wait for it: the agent is nobody's
+        # child here, and outlives this process
+        subprocess.run(
+            ["/bin/sh", "-c", '"$@" </dev/null &', "sh", *cmd],
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+            check=True,
+        )

@@ -1,0 +1,282 @@
+"""``breakpoint()`` in an endpoint: a pdb session at the controller's terminal (through a
+pseudo-terminal), with ``amesh.debug()`` or ``amesh debug`` in another terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from amesh import _debug
+from amesh._transport._auth import CHALLENGE_LEN, Gate, Refused
+from amesh._transport._stream_wire import fresh_address, parse_address
+
+#: How long any one expected output may take (a worker starts in well under this).
+EXPECT = 30
+PROMPT = r"\(Pdb\) "
+
+CONTROLLER = """
+import sys
+
+import anyio
+
+import amesh
+
+STOP = {int(r) for r in sys.argv[1].split(",")}
+
+
+class W(amesh.Actor):
+    def __init__(self) -> None:
+        self.n = 41
+
+    @amesh.endpoint
+    async def work(self, x: int) -> int:
+        self.n += x
+        if amesh.current_rank().rank in STOP:
+            breakpoint()  # the pause
+        y = self.n + 1
+        return y
+
+
+async def main() -> None:
+    async with amesh.ProcMesh(per_host={"procs": 2}) as procs:
+        print("pids:", *procs.pids, flush=True)
+        w = await procs.spawn("w", W)
+        async with anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                values = list((await w.work.call(1)).values())
+                print(f"result: {values}", flush=True)  # one write: the debugger prints too
+
+            tg.start_soon(call)
+            if sys.argv[2] == "debug":
+                await amesh.debug()
+            elif sys.argv[2] == "debug-on-enter":  # once the test saw every rank pause
+                await anyio.to_thread.run_sync(sys.stdin.readline)
+                await amesh.debug()
+                await amesh.debug()
+
+
+amesh.run(main)
+"""
+
+
+Start = Callable[[str, str], pexpect.spawn]
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+def _spawn(argv: list[str], tmp_path: Path, state: Path) -> pexpect.spawn:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONBREAKPOINT", "AMESH_OUTPUT")}
+    env["AMESH_STATE_DIR"] = str(state)
+    child = pexpect.spawn(
+        sys.executable,
+        argv,
+        cwd=str(tmp_path),
+        env=env,
+        timeout=EXPECT,
+        encoding="utf-8",
+        dimensions=(50, 200),
+    )
+    child.logfile_read = sys.stdout  # shown when a test fails
+    return child
+
+
+@pytest.fixture
+def controller(tmp_path: Path, state: Path) -> Iterator[Start]:
+    """Starts ``controller.py STOP MODE`` in a pseudo-terminal: ``.start(stop, mode)``."""
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    children: list[pexpect.spawn] = []
+
+    def start(stop: str, mode: str) -> pexpect.spawn:
+        child = _spawn([str(script), stop, mode], tmp_path, state)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.close(force=True)
+
+
+def _breakpoint_line() -> int:
+    return CONTROLLER.splitlines().index("            breakpoint()  # the pause") + 1
+
+
+def _worker_pids(child: pexpect.spawn) -> list[int]:
+    child.expect(r"pids: ([\d ]+)\r\n")
+    return [int(p) for p in child.match.group(1).split()]
+
+
+def _finish(child: pexpect.spawn, pids: list[int]) -> None:
+    """The call returns its normal values, the controller exits 0, no worker is left."""
+    child.expect(pexpect.EOF)
+    assert "result: [43, 43]" in child.before
+    child.close()
+    assert child.exitstatus == 0
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _pdb_session(child: pexpect.spawn) -> None:
+    """list, print, next and continue in the session of a rank paused at the pause."""
+    line = _breakpoint_line()
+    child.expect(PROMPT)
+    child.sendline("l")
+    child.expect(rf"{line}\s+breakpoint\(\)  # the pause")
+    child.expect(PROMPT)
+    child.sendline("p self.n")
+    child.expect(r"\r\n42\r\n")
+    child.expect(PROMPT)
+    child.sendline("n")
+    child.expect(rf"controller\.py\({line + 2}\)work\(\)")
+    child.expect(r"-> return y")
+    child.expect(PROMPT)
+    child.sendline("c")
+
+
+@pytest.mark.timeout(120)
+def test_a_breakpoint_is_debugged_at_the_controller(controller: Start) -> None:
+    child = controller("1", "debug")
+    pids = _worker_pids(child)
+    child.expect(rf"w\[1\] at controller\.py:{_breakpoint_line()}")
+    _pdb_session(child)
+    _finish(child, pids)
+    assert "amesh: w[1] at controller.py" in child.before  # "... goes on"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_paused_at_once_are_listed_and_one_is_chosen(controller: Start) -> None:
+    child = controller("0,1", "debug-on-enter")
+    pids = _worker_pids(child)
+    paused = set()
+    while len(paused) < 2:
+        child.expect(r"amesh: w\[(\d)\] at controller\.py:\d+ paused")
+        paused.add(child.match.group(1))
+    child.sendline("")  # both paused: the script calls amesh.debug()
+    line = _breakpoint_line()
+    listed = {}
+    for _ in range(2):
+        child.expect(rf"  (\d)\. w\[(\d)\] at controller\.py:{line} \(pid \d+")
+        listed[child.match.group(2)] = child.match.group(1)
+    child.expect(r"attach to \[1-2")
+    child.sendline(listed["1"])
+    child.expect(r"attached to w\[1\]")
+    _pdb_session(child)
+    # the second amesh.debug(): only rank 0 is left, attached at once
+    child.expect(r"attached to w\[0\]")
+    child.expect(PROMPT)
+    child.sendline("c")
+    _finish(child, pids)
+
+
+def _announced(state: Path) -> tuple[Path, dict[str, object]]:
+    (path,) = (state / "debug").glob("*.json")
+    return path, json.loads(path.read_text())
+
+
+def _cli_session(tmp_path: Path, state: Path) -> None:
+    cli = _spawn(["-m", "amesh", "debug"], tmp_path, state)
+    try:
+        cli.expect(rf"attached to w\[0\] at controller\.py:{_breakpoint_line()}")
+        cli.expect(rf"-> y = self\.n \+ 1\r\n{PROMPT}")  # untouched: still at the pause
+        cli.sendline("p self.n")
+        cli.expect(r"\r\n42\r\n")
+        cli.expect(PROMPT)
+        cli.sendline("c")
+        cli.expect(pexpect.EOF)
+        cli.close()
+        assert cli.exitstatus == 0
+    finally:
+        cli.close(force=True)
+
+
+@pytest.mark.timeout(120)
+def test_amesh_debug_attaches_from_another_terminal(
+    controller: Start,
+    tmp_path: Path,
+    state: Path,
+) -> None:
+    child = controller("0", "wait")
+    pids = _worker_pids(child)
+    child.expect(r"amesh: w\[0\] at controller\.py:\d+ paused")
+    path, _ = _announced(state)
+    assert path.stat().st_mode & 0o777 == 0o600
+    _cli_session(tmp_path, state)
+    _finish(child, pids)
+    assert not path.exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_listener_refuses_peers_without_the_key(
+    controller: Start,
+    tmp_path: Path,
+    state: Path,
+) -> None:
+    child = controller("0", "wait")
+    pids = _worker_pids(child)
+    child.expect(r"amesh: w\[0\] at controller\.py:\d+ paused")
+    _, entry = _announced(state)
+    address = str(entry["address"])
+    # this process holds another job key than the controller's
+    with pytest.raises(Refused):
+        _debug._dial(address)
+    # a peer that skips the handshake: its lines never reach the paused pdb
+    family, sockaddr = parse_address(address)
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(EXPECT)
+        sock.connect(sockaddr)
+        assert len(sock.recv(CHALLENGE_LEN)) > 0
+        with contextlib.suppress(ConnectionError):  # refused: closed, maybe mid-send
+            sock.sendall(b'{"role": "client"}\n{"op": "attach", "id": 1}\nc\n')
+            while sock.recv(4096):
+                pass  # until the listener closes the connection
+    _cli_session(tmp_path, state)
+    _finish(child, pids)
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_refuses_a_listener_without_the_key() -> None:
+    """An impostor at the address takes the worker's answer but cannot prove itself."""
+    address = fresh_address("abstract")
+    family, sockaddr = parse_address(address)
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind(sockaddr)
+    listener.listen(1)
+
+    def impostor() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            gate = Gate(address)
+            conn.sendall(gate.challenge)
+            conn.recv(4096)  # the answer and the nonce
+            conn.sendall(b"\0" * 32)  # not a proof
+            conn.recv(4096)
+
+    thread = threading.Thread(target=impostor, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(Refused, match="did not prove"):
+            _debug._dial(address)
+    finally:
+        thread.join(EXPECT)
+        listener.close()

@@ -1,0 +1,260 @@
+"""Persistent meshes: they outlive their controller, another controller takes them
+over with their actors' state, ``amesh list`` shows them, ``amesh stop`` and
+``procs.stop()`` end them; meshes that are not persistent still die with their
+controller.
+
+Controllers that go away are real processes (SIGKILLed, or returning); the agent that
+holds the meshes is this machine's local agent (started on demand, in a state
+directory of the test's own) or an ``amesh agent`` on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import amesh
+import amesh.testing
+from amesh._hosts._home import local_agent_address
+from amesh._runtime._runtime import open_runtime
+from amesh._transport import open_transport
+from amesh._transport._auth import job_key
+
+from .test_agent import agents, gone, shared_key
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the controllers are programs of their own; workers run alike
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A state directory of this test's own, whose key is this process's job key (so
+    that this process may take the meshes over); its local agent is gone at the end."""
+    home = tmp_path / "state"
+    home.mkdir(mode=0o700)
+    fd = os.open(home / "key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, job_key().hex().encode() + b"\n")
+    os.close(fd)
+    monkeypatch.setenv("AMESH_STATE_DIR", str(home))
+    monkeypatch.setenv("AMESH_LOCAL_AGENT_IDLE", "0.5")
+    yield home
+    # the agent exits by itself once idle; one left running (a failed test) is killed
+    pid = _agent_pid(home)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+
+
+def _agent_pid(home: Path) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"agent" in cmd and str(home / "key").encode() in cmd:
+                return int(entry.name)
+    return None
+
+
+_CONTROLLER = """
+import os, signal, sys
+import amesh
+import amesh.testing
+from tests.actors import Counter
+
+async def main():
+    procs = await amesh.ProcMesh({"procs": 2}, name="train", persistent=True)
+    counters = await procs.spawn("counters", Counter)
+    await counters.incr.call(5)
+    await counters.slice(procs=1).incr.call_one(2)
+    scratch = await amesh.ProcMesh({"procs": 1})
+    print(" ".join(map(str, procs.pids)), scratch.pids[0], flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+amesh.run(main)
+"""
+
+
+async def _controller(how: str) -> tuple[list[int], int]:
+    """Run a controller that makes persistent mesh ``train`` (with actor mesh
+    ``counters`` at 5 and 7) and a scratch mesh, then is SIGKILLed (``kill``) or
+    returns (``return``): (pids of ``train``, pid of the scratch process)."""
+    out = await anyio.run_process([sys.executable, "-c", _CONTROLLER, how], cwd=ROOT, check=False)
+    expected = -signal.SIGKILL if how == "kill" else 0
+    assert out.returncode == expected, out.stderr.decode()
+    *pids, scratch = (int(p) for p in out.stdout.split())
+    return pids, scratch
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _amesh(*args: str) -> str:
+    out = await anyio.run_process([sys.executable, "-m", "amesh", *args], check=False)
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout.decode()
+
+
+async def test_a_persistent_mesh_outlives_a_killed_controller(state: Path) -> None:
+    """Controller SIGKILLed: its persistent mesh runs on (its scratch mesh does not);
+    `amesh list` shows it; another controller takes it over with the actors' state,
+    calls it, and stops it; then the local agent exits by itself."""
+    with anyio.fail_after(120):
+        pids, scratch = await _controller("kill")
+        await gone(scratch)
+        assert all(_alive(p) for p in pids)
+        listed = await _amesh("list")
+        assert "train  {procs: 2}" in listed and "counters (Counter)" in listed, listed
+        for rank, pid in enumerate(pids):
+            assert f"{rank}: pid {pid} running" in listed, listed
+        raw = json.loads(await _amesh("list", "--json"))
+        assert raw["train"]["sizes"] == [2] and raw["train"]["actors"][0]["name"] == "counters"
+
+        async with open_runtime(lambda: open_transport("abstract")):
+            procs = await amesh.attach_mesh("train")
+            assert procs.persistent and procs.name == "train"
+            assert procs.pids == pids
+            counters = await procs.actor_mesh("counters")
+            assert list((await counters.get.call()).values()) == [5, 7]
+            assert await counters.slice(procs=0).incr.call_one() == 6
+            with pytest.raises(LookupError, match=r"no actor mesh named 'nope'.*counters"):
+                await procs.actor_mesh("nope")
+            await procs.stop()
+            for pid in pids:
+                await gone(pid)
+            with pytest.raises(LookupError, match="no persistent mesh named 'train'"):
+                await amesh.attach_mesh("train")
+        assert "no persistent meshes" in await _amesh("list")
+        agent = _agent_pid(state)
+        if agent is not None:
+            await gone(agent)  # idle: it exits by itself
+        assert local_agent_address() is None
+
+
+async def test_a_controller_that_returns_lets_go_and_amesh_stop_ends_it(state: Path) -> None:
+    """A controller that returns leaves its persistent mesh running; a second one
+    takes it over and returns too (it stays persistent); `amesh stop` ends it."""
+    with anyio.fail_after(120):
+        pids, scratch = await _controller("return")
+        await gone(scratch)
+        assert all(_alive(p) for p in pids)
+        async with open_runtime(lambda: open_transport("abstract")):
+            procs = await amesh.attach_mesh("train")
+            counters = await procs.actor_mesh("counters")
+            assert await counters.slice(procs=1).incr.call_one(3) == 10
+        assert all(_alive(p) for p in pids)  # leaving lets go of it, nothing more
+        assert "stopped train: 2 process(es)" in await _amesh("stop", "train")
+        for pid in pids:
+            await gone(pid)
+        out = await anyio.run_process([sys.executable, "-m", "amesh", "stop", "train"], check=False)
+        assert out.returncode == 1 and b"no persistent mesh named 'train'" in out.stderr
+
+
+async def test_a_persistent_mesh_dead_while_nobody_held_it_fails_on_take_over(
+    state: Path,
+) -> None:
+    """A process of a persistent mesh that died while no controller held it is
+    reported, with its exit, to the controller that takes the mesh over."""
+    with anyio.fail_after(120):
+        pids, _ = await _controller("kill")
+        os.kill(pids[1], signal.SIGKILL)
+        await gone(pids[1])
+        failures: list[amesh.Failure] = []
+        reported = anyio.Event()
+
+        def supervise(failure: amesh.Failure) -> bool:
+            failures.append(failure)
+            reported.set()
+            return True
+
+        async with open_runtime(lambda: open_transport("abstract")):
+            procs = await amesh.attach_mesh("train", supervise=supervise)
+            await reported.wait()
+            counters = await procs.actor_mesh("counters")
+            with pytest.raises(amesh.SupervisionError, match="SIGKILL"):
+                await counters.slice(procs=1).get.call_one()
+            assert await counters.slice(procs=0).get.call_one() == 5
+            await procs.stop()
+            await gone(pids[0])
+        assert failures[0].rank == 1 and failures[0].pid == pids[1]
+        assert failures[0].signal == signal.SIGKILL
+
+
+_REMOTE_CONTROLLER = """
+import os, signal, sys
+import amesh
+import amesh.testing
+from tests.actors import Counter
+
+async def main():
+    hosts = await amesh.attach(sys.argv[1].split(","), key_file=sys.argv[2])
+    procs = await hosts.spawn_procs({"gpus": 2}, name="far", persistent=True)
+    counters = await procs.spawn("counters", Counter)
+    await counters.incr.call(4)
+    print(" ".join(map(str, procs.pids)), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+amesh.run(main)
+"""
+
+
+async def test_a_persistent_mesh_on_host_agents(tmp_path: Path) -> None:
+    """Over two agents: the controller SIGKILLed, its lease ends, the agents keep the
+    persistent workers; another controller takes them over and stops them."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 2, grace=0.5) as (a1, a2):
+            addrs = f"{a1.addr},{a2.addr}"
+            out = await anyio.run_process(
+                [sys.executable, "-c", _REMOTE_CONTROLLER, addrs, str(key)],
+                cwd=ROOT,
+                check=False,
+                env={**os.environ, "AMESH_TRANSPORT": "tcp", "AMESH_KEY_FILE": str(key)},
+            )
+            assert out.returncode == -signal.SIGKILL, out.stderr.decode()
+            pids = [int(p) for p in out.stdout.split()]
+            assert len(pids) == 4
+            for agent in (a1, a2):
+                line = await agent.logged("is gone")
+                assert "stopping its 0 worker(s), keeping 2 of persistent meshes" in line
+            assert all(_alive(p) for p in pids)
+            listed = await _amesh("list", "--hosts", addrs, "--key-file", str(key))
+            assert "far  {hosts: 2, gpus: 2}" in listed, listed
+            async with open_runtime(lambda: open_transport("tcp")):
+                procs = await amesh.attach_mesh("far", hosts=[a1.addr, a2.addr], key_file=str(key))
+                assert procs.sizes == {"hosts": 2, "gpus": 2} and procs.pids == pids
+                counters = await procs.actor_mesh("counters")
+                assert list((await counters.incr.call()).values()) == [5, 5, 5, 5]
+                await procs.stop()
+            for pid in pids:
+                await gone(pid)
+
+
+def test_bad_names_and_hosts_are_refused() -> None:
+    with pytest.raises(ValueError, match="needs a name"):
+        amesh.ProcMesh({"procs": 1}, persistent=True)
+    with pytest.raises(ValueError, match="a mesh name has"):
+        amesh.ProcMesh({"procs": 1}, name="no spaces", persistent=True)
+    with pytest.raises(ValueError, match="runs on host agents"):
+        amesh.ProcMesh({"procs": 1}, name="x", persistent=True, host=amesh.testing.InProcessHost())
+    # this machine is a fine place: its local agent holds it
+    assert amesh.this_host().spawn_procs(name="x", persistent=True).persistent
