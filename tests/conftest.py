@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
 pytest_plugins = ["amesh.testing.pytest_plugin"]
@@ -15,6 +18,19 @@ pytest_plugins = ["amesh.testing.pytest_plugin"]
 )
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A state directory of the session's own (the registry of live meshes that every
+    controller writes, the local agent's files): nothing lands in the real home."""
+    old = os.environ.get("AMESH_STATE_DIR")
+    os.environ["AMESH_STATE_DIR"] = str(tmp_path_factory.mktemp("amesh-state"))
+    yield
+    if old is None:
+        del os.environ["AMESH_STATE_DIR"]
+    else:
+        os.environ["AMESH_STATE_DIR"] = old
 
 
 @pytest.fixture(autouse=True)

@@ -204,6 +204,11 @@ async def test_an_unpicklable_argument_is_named() -> None:
                 await c.echo.broadcast(lock)
             assert rt.statistics().calls_sent == before
             assert await c.echo.call_one("fine") == "fine"
+            with pytest.raises(TypeError) as info:
+                await procs.spawn("more", Counter, lock)
+            assert str(info.value) == (
+                "cannot pickle argument 0 of Counter(): cannot pickle '_thread.lock' object"
+            )
 
 
 # -- what Python prints for an uncaught failure --------------------------------------------

@@ -126,7 +126,7 @@ async def test_a_persistent_mesh_outlives_a_killed_controller(state: Path) -> No
         assert "train  {procs: 2}" in listed and "counters (Counter)" in listed, listed
         for rank, pid in enumerate(pids):
             assert f"{rank}: pid {pid} running" in listed, listed
-        raw = json.loads(await _amesh("list", "--json"))
+        raw = json.loads(await _amesh("list", "--json"))["persistent"]
         assert raw["train"]["sizes"] == [2] and raw["train"]["actors"][0]["name"] == "counters"
 
         async with open_runtime(lambda: open_transport("abstract")):

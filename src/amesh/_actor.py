@@ -7,6 +7,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, ParamSpec, TypeVar, overload
 
+import anyio
+
 from ._runtime._context import call_context
 from ._runtime._mailbox import Handler
 from ._shape import Point
@@ -190,7 +192,12 @@ def cancelled() -> bool:
         RuntimeError: outside an endpoint.
     """
     scope = _ctx().scope
-    return scope is not None and bool(scope.cancel_called)
+    if scope is None:
+        return False
+    try:
+        return bool(scope.cancel_called)
+    except RuntimeError:  # trio reads its clock for it, which a worker thread cannot
+        return bool(anyio.from_thread.run_sync(lambda: scope.cancel_called))
 
 
 def current_actor() -> Actor:

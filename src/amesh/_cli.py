@@ -54,7 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     for name, text in (
-        ("list", "show the persistent meshes: shape, hosts, pids, actor meshes"),
+        (
+            "list",
+            "show the live meshes of this machine's controllers (per rank: pid, queued "
+            "messages, running handlers, endpoints running now), then the persistent meshes",
+        ),
         ("stop", "stop a persistent mesh: its processes and their actors"),
     ):
         cmd = sub.add_parser(name, help=text)
@@ -69,6 +73,18 @@ def _parser() -> argparse.ArgumentParser:
             help="the host agents to ask (default: this machine's local agent)",
         )
         cmd.add_argument("--key-file", default=None, metavar="PATH", help="the agents' key")
+
+    stacks = sub.add_parser(
+        "stacks", help="print the Python stacks of a live mesh's workers (threads and tasks)"
+    )
+    stacks.add_argument("name", help="the mesh's name (`procs` unless named)")
+    stacks.add_argument("rank", type=int, nargs="?", default=None, help="one rank only")
+    logs = sub.add_parser("logs", help="say where the output of a live mesh's workers goes")
+    logs.add_argument("name", help="the mesh's name (`procs` unless named)")
+    for cmd in (stacks, logs):
+        cmd.add_argument(
+            "--pid", type=int, default=None, help="its controller's pid (when several have one)"
+        )
 
     debug = sub.add_parser(
         "debug", help="attach to a rank paused in breakpoint() by a controller on this machine"
@@ -109,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         return agent_main(
             args.listen, args.key_file, grace, args.route_to, args.announce, args.idle_exit
         )
-    if args.command in ("list", "stop"):
+    if args.command in ("list", "stop", "stacks", "logs"):
         from ._hosts._admin import main as admin_main
 
-        hosts = [h for h in args.hosts.split(",") if h] or None
-        return admin_main(args.command, hosts, args.key_file, args)
+        hosts = [h for h in getattr(args, "hosts", "").split(",") if h] or None
+        return admin_main(args.command, hosts, getattr(args, "key_file", None), args)
     if args.command == "debug":
         from ._debug import cli as debug_main
         from ._hosts._home import state_dir

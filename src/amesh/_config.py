@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "default_fanout", "default_transport", "env_float"]
+__all__ = ["debug", "default_fanout", "default_transport", "env_float", "loop_options"]
 
 
 def default_transport() -> tuple[str, str]:
@@ -53,3 +53,14 @@ def debug() -> bool:
     which they leave out by default. A worker reads its own environment: a local one
     inherits the controller's; set it for remote ones with ``ProcMesh(env=...)``."""
     return os.environ.get("AMESH_DEBUG", "0") not in ("", "0")
+
+
+def loop_options(backend: str) -> dict[str, object]:
+    """``backend_options`` for ``anyio.run``: uvloop for asyncio when it is installed."""
+    if backend != "asyncio":
+        return {}
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}

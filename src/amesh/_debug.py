@@ -13,7 +13,8 @@ handler goes on.
 Controller side: :class:`DebugListener`, one listening socket (a Linux abstract unix
 socket) and a thread per connection, started when the controller starts its first
 local worker. It keeps the paused sessions, and splices a client (:func:`debug`, ``amesh
-debug``) to the one it chose. Once a rank pauses, it writes
+debug``) to the one it chose. A host agent runs one too, for the workers it starts
+(:mod:`amesh._hosts._agent`). Once a rank pauses, it writes
 ``<state dir>/debug/<pid>.json`` (mode 0600: the address and the job key, in hex, as
 readable as the key file of the state directory) for ``amesh debug``, and removes it
 when the controller exits.
@@ -27,11 +28,17 @@ After the handshake each side sends JSON lines: the first says who it is (``role
 ``worker`` with where it paused, or ``client``); a worker then sends its output
 (``{"out": text}``) and asks for each line of input (``{"read": 1}``), which comes back
 as one raw line; a client lists (``{"op": "list"}``) and attaches (``{"op": "attach"}``).
+
+Ranks paused on other machines: :func:`debug` also lists those of the host agents this
+controller attached to (the :class:`RemoteDebugger` s that the hosts layer registers
+with :func:`set_remote_debuggers`), polling them while it waits, and relays a session
+through its agent, over the amesh link to it.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import json
 import os
@@ -40,12 +47,15 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import anyio
+from anyio.from_thread import run as run_on_loop
+from anyio.lowlevel import EventLoopToken, current_token
 
 from ._runtime._context import call_context
 from ._runtime._session import bridged
@@ -59,7 +69,17 @@ from ._transport._auth import (
 )
 from ._transport._stream_wire import StreamBeat, fresh_address, parse_address
 
-__all__ = ["DEBUG_ENV", "DebugListener", "breakpointhook", "cli", "debug", "debug_env"]
+__all__ = [
+    "DEBUG_ENV",
+    "DebugListener",
+    "RemoteDebugger",
+    "breakpointhook",
+    "cli",
+    "current_listener",
+    "debug",
+    "debug_env",
+    "set_remote_debuggers",
+]
 
 #: The environment variable that tells a worker where its breakpoints go.
 DEBUG_ENV = "AMESH_DEBUG_LISTENER"
@@ -68,6 +88,8 @@ _NONCE = 32
 _CHUNK = 65536
 #: The longest JSON line a listener takes before a session is attached.
 _MAX_LINE = 65536
+#: Seconds between two looks at the remote debuggers while waiting for a rank to pause.
+_POLL = 0.2
 
 
 # -- connections (both ends) -------------------------------------------------------------
@@ -365,17 +387,40 @@ class DebugListener:
                 found = self.sessions(wait if isinstance(wait, int | float) else None)
                 conn.send({"sessions": [p.describe() for p in found]})
             elif msg.get("op") == "attach":
-                with self._cond:
-                    paused = self._paused.get(msg.get("id"))  # type: ignore[arg-type]
-                    free = paused is not None and not paused.attached
-                    if paused is not None and free:
-                        paused.attached = True
-                if paused is None or not free:
-                    conn.send({"error": "that rank is no longer paused, or taken"})
+                paused = self._take(msg.get("id"))
+                if paused is None:
+                    conn.send({"error": _GONE})
                     continue
                 conn.send({"attached": paused.ident})
                 self._splice(paused, conn)
                 return
+
+    def _take(self, ident: Any) -> _Paused | None:
+        """Paused session ``ident``, now attached; None when it is gone or taken."""
+        with self._cond:
+            paused = self._paused.get(ident)
+            if paused is None or paused.attached:
+                return None
+            paused.attached = True
+            return paused
+
+    def open(self, ident: int) -> socket.socket | None:
+        """A connection spliced to paused session ``ident``, as a client that attached
+        to it has (pdb's JSON lines out, raw lines in; closing it detaches); None when
+        it is no longer paused, or taken."""
+        paused = self._take(ident)
+        if paused is None:
+            return None
+        mine, theirs = socket.socketpair()
+
+        def splice() -> None:
+            try:
+                self._splice(paused, _Conn(theirs))
+            finally:
+                theirs.close()
+
+        threading.Thread(target=splice, name="amesh-debug-open", daemon=True).start()
+        return mine
 
     def _splice(self, paused: _Paused, client: _Conn) -> None:
         down = threading.Thread(
@@ -405,8 +450,14 @@ class DebugListener:
             self._file = None
 
 
+_GONE = "that rank is no longer paused, or taken"
 _listener: DebugListener | None = None
 _listener_lock = threading.Lock()
+
+
+def current_listener() -> DebugListener | None:
+    """This process's listener, once :func:`debug_env` started it."""
+    return _listener
 
 
 def debug_env(files: Callable[[], Path]) -> dict[str, str]:
@@ -543,30 +594,179 @@ def breakpointhook(*args: Any, **kwargs: Any) -> Any:
 # -- clients: amesh.debug() and `amesh debug` --------------------------------------------
 
 
-def _choose(conn: _Conn, wait: float | None) -> dict[str, Any] | None:
-    """List the paused ranks (waiting up to ``wait`` seconds for one) and attach to the
-    one the user picks; None when none paused in time."""
-    while True:
-        conn.send({"op": "list", "wait": wait})
-        reply = conn.recv()
-        sessions: list[dict[str, Any]] = (reply or {}).get("sessions") or []
-        if reply is None or not sessions:
-            return None
-        if len(sessions) == 1:
-            chosen = sessions[0]
-        else:
-            print(f"amesh: {len(sessions)} ranks are paused:")
-            for i, s in enumerate(sessions, 1):
-                print(f"  {i}. {s['title']} (pid {s.get('pid')} on {s.get('host')})")
-            answer = input(f"attach to [1-{len(sessions)}, Enter lists again]: ").strip()
-            if not (answer.isdigit() and 1 <= int(answer) <= len(sessions)):
+class RemoteDebugger(Protocol):
+    """Ranks paused on another machine, as its host agent relays them."""
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        """The ranks paused there that nobody attached to (as the listener lists them).
+
+        Raises:
+            Exception: the agent cannot answer.
+        """
+        ...
+
+    async def open(self, ident: int) -> int | None:
+        """Attach to session ``ident``: a handle for :meth:`read` and :meth:`write`;
+        None when it is no longer paused, or taken."""
+        ...
+
+    async def read(self, handle: int, timeout: float) -> bytes | None:
+        """What the session sent (pdb's JSON lines) within ``timeout`` seconds: None
+        when nothing, ``b""`` at its end."""
+        ...
+
+    async def write(self, handle: int, data: bytes) -> None:
+        """Send ``data`` (the user's lines) to the session."""
+        ...
+
+    async def close(self, handle: int) -> None:
+        """Detach (the rank goes on)."""
+        ...
+
+
+_remote_debuggers: Callable[[], list[RemoteDebugger]] = list
+
+
+def set_remote_debuggers(debuggers: Callable[[], list[RemoteDebugger]]) -> None:
+    """Register where :func:`debug` finds ranks paused on other machines (called on
+    the event loop of the controller's runtime)."""
+    global _remote_debuggers
+    _remote_debuggers = debuggers
+
+
+#: A paused rank that a client found: where (None: the local listener) and what.
+_Found = tuple[RemoteDebugger | None, dict[str, Any]]
+
+
+class _Client:
+    """Lists paused ranks at a listener (``conn``, or none) and at remote debuggers, and
+    attaches this terminal (``input()``, ``print()``) to one; from a thread, with the
+    remote calls on the event loop of ``token``."""
+
+    def __init__(
+        self, conn: _Conn | None, remotes: list[RemoteDebugger], token: EventLoopToken | None
+    ) -> None:
+        self.conn = conn
+        self.remotes = remotes
+        self.token = token
+
+    def run(self, wait: float | None) -> bool:
+        """Attach to a paused rank chosen by the user (directly when only one is) until
+        its session ended; False when none paused within ``wait`` seconds."""
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self.remotes:
+                left = _POLL if left is None else min(_POLL, left)
+            found = self._list(left)
+            if not found:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 continue
-            chosen = sessions[int(answer) - 1]
-        conn.send({"op": "attach", "id": chosen["id"]})
-        reply = conn.recv()
-        if reply is not None and "attached" in reply:
-            return chosen
-        print(f"amesh: {(reply or {}).get('error', 'the listener went away')}")
+            chosen = _pick(found)
+            if chosen is not None and self._attach(*chosen):
+                return True
+
+    def _list(self, wait: float | None) -> list[_Found]:
+        """The paused ranks; when none is, this waits up to ``wait`` seconds for one at
+        the listener (None: however long it takes).
+
+        Raises:
+            ConnectionError: the listener went away.
+        """
+        found: list[_Found] = []
+        for remote in self.remotes:
+            try:
+                found += [(remote, s) for s in run_on_loop(remote.sessions, token=self.token)]
+            except Exception:  # an agent that cannot answer has nothing to attach to
+                continue
+        if self.conn is None:
+            if not found and wait:
+                time.sleep(wait)
+            return found
+        self.conn.send({"op": "list", "wait": 0.0 if found else wait})
+        reply = self.conn.recv()
+        if reply is None:
+            raise ConnectionError("the debug listener went away")
+        return [(None, s) for s in reply.get("sessions") or []] + found
+
+    def _attach(self, remote: RemoteDebugger | None, chosen: dict[str, Any]) -> bool:
+        if remote is None:
+            assert self.conn is not None
+            self.conn.send({"op": "attach", "id": chosen["id"]})
+            reply = self.conn.recv()
+            if reply is None or "attached" not in reply:
+                print(f"amesh: {(reply or {}).get('error', 'the listener went away')}")
+                return False
+            _session(chosen, lambda: _relay(cast(_Conn, self.conn)))
+            return True
+        handle = run_on_loop(remote.open, chosen["id"], token=self.token)
+        if handle is None:
+            print(f"amesh: {_GONE}")
+            return False
+        _session(chosen, lambda: self._relay_remote(remote, handle))
+        return True
+
+    def _relay_remote(self, remote: RemoteDebugger, handle: int) -> None:
+        """:func:`_relay` over a socket pair whose other end the remote session feeds."""
+        mine, theirs = socket.socketpair()
+
+        def down() -> None:
+            try:
+                while (data := run_on_loop(remote.read, handle, 1.0, token=self.token)) != b"":
+                    if data:
+                        theirs.sendall(data)
+            except Exception:  # the agent, or this controller's runtime, is gone
+                pass
+            finally:
+                _shut(theirs)
+
+        def up() -> None:
+            try:
+                while data := theirs.recv(_CHUNK):
+                    run_on_loop(remote.write, handle, data, token=self.token)
+            except Exception:
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    run_on_loop(remote.close, handle, token=self.token)
+
+        threads = [
+            threading.Thread(target=f, name=f"amesh-debug-{f.__name__}", daemon=True)
+            for f in (down, up)
+        ]
+        for t in threads:
+            t.start()
+        try:
+            _relay(_Conn(mine))
+        finally:
+            _shut(mine)
+            for t in threads:
+                t.join()
+            mine.close()
+            theirs.close()
+
+
+def _pick(found: list[_Found]) -> _Found | None:
+    """The paused rank the user picks (the only one, directly); None: list again."""
+    if len(found) == 1:
+        return found[0]
+    print(f"amesh: {len(found)} ranks are paused:")
+    for i, (_, s) in enumerate(found, 1):
+        print(f"  {i}. {s['title']} (pid {s.get('pid')} on {s.get('host')})")
+    answer = input(f"attach to [1-{len(found)}, Enter lists again]: ").strip()
+    if not (answer.isdigit() and 1 <= int(answer) <= len(found)):
+        return None
+    return found[int(answer) - 1]
+
+
+def _session(chosen: dict[str, Any], relay: Callable[[], None]) -> None:
+    print(
+        f"amesh: attached to {chosen['title']} (pid {chosen.get('pid')}); `c` lets it go on",
+        flush=True,
+    )
+    relay()
+    print(f"amesh: {chosen['title']} goes on", flush=True)
 
 
 def _relay(conn: _Conn) -> None:
@@ -588,36 +788,36 @@ def _relay(conn: _Conn) -> None:
         print(pending, flush=True)
 
 
-def attach(address: str, wait: float | None = None) -> bool:
+def attach(
+    address: str | None,
+    wait: float | None = None,
+    remotes: list[RemoteDebugger] | None = None,
+    token: EventLoopToken | None = None,
+) -> bool:
     """Attach this terminal (``input()``, ``print()``) to a rank paused at the listener
-    at ``address``, chosen by the user when several are; returns once its session ended
+    at ``address`` (or at one of ``remotes``, whose calls run on the event loop of
+    ``token``), chosen by the user when several are; returns once its session ended
     (the rank goes on), False when no rank paused within ``wait`` seconds.
 
     Raises:
         OSError, Refused: cannot reach the listener.
     """
-    conn = _dial(address)
+    conn = _dial(address) if address else None
     try:
-        conn.send({"role": "client"})
-        chosen = _choose(conn, wait)
-        if chosen is None:
-            return False
-        print(
-            f"amesh: attached to {chosen['title']} (pid {chosen.get('pid')}); `c` lets it go on",
-            flush=True,
-        )
-        _relay(conn)
-        print(f"amesh: {chosen['title']} goes on", flush=True)
-        return True
+        if conn is not None:
+            conn.send({"role": "client"})
+        return _Client(conn, remotes or [], token).run(wait)
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
 
 
 @bridged
 async def debug(timeout: float | None = None) -> bool:
-    """Attach to a rank paused in ``breakpoint()``: list the paused ranks, let the user
-    pick one (directly when only one is), then relay pdb between it and this terminal
-    (or notebook: ``input()`` and ``print()``) until ``continue``.
+    """Attach to a rank paused in ``breakpoint()``, on this machine or under a host agent
+    this controller attached to: list the paused ranks, let the user pick one (directly
+    when only one is), then relay pdb between it and this terminal (or notebook:
+    ``input()`` and ``print()``) until ``continue``.
 
     Args:
         timeout: how long to wait for a rank to pause (None: as long as it takes).
@@ -626,12 +826,15 @@ async def debug(timeout: float | None = None) -> bool:
         False when no rank paused within ``timeout``.
 
     Raises:
-        RuntimeError: this controller has started no local worker yet.
+        RuntimeError: this controller has started no worker yet.
     """
     address = _listener.address if _listener is not None else os.environ.get(DEBUG_ENV)
-    if not address:
+    remotes = _remote_debuggers()
+    if not address and not remotes:
         raise RuntimeError("amesh.debug(): no worker was started here, nothing to debug")
-    return await anyio.to_thread.run_sync(attach, address, timeout, abandon_on_cancel=True)
+    return await anyio.to_thread.run_sync(
+        attach, address, timeout, remotes, current_token(), abandon_on_cancel=True
+    )
 
 
 def cli(files: Path, pid: int | None) -> int:

@@ -116,6 +116,23 @@ def _rank_args(
     return _place(args, kwargs, elements)
 
 
+def unpicklable(
+    args: tuple[Any, ...], kwargs: dict[str, Any], where: str, exc: TypeError
+) -> TypeError:
+    """The error to raise when ``(args, kwargs)`` of ``where`` (``trainers.step``) could
+    not be pickled (``exc``): it names the argument, found by pickling them one by one."""
+    named: list[tuple[str, Any]] = [(str(i), a) for i, a in enumerate(args)]
+    named += [(repr(k), v) for k, v in kwargs.items()]
+    what, why = "the arguments", exc.__cause__ or exc
+    for name, value in named:
+        try:
+            _codec.dumps(value)
+        except TypeError as one:
+            what, why = f"argument {name}", one.__cause__ or one
+            break
+    return TypeError(f"cannot pickle {what} of {where}: {why}")
+
+
 class MeshEndpoint(Generic[R]):
     """One endpoint of an actor mesh (or a slice of one).
 
@@ -253,18 +270,8 @@ class MeshEndpoint(Generic[R]):
         try:
             return _codec.dumps((args, kwargs), shm=shm)
         except TypeError as exc:
-            named: list[tuple[str, Any]] = [(str(i), a) for i, a in enumerate(args)]
-            named += [(repr(k), v) for k, v in kwargs.items()]
-            what, why = "the arguments", exc.__cause__ or exc
-            for name, value in named:
-                try:
-                    _codec.dumps(value)
-                except TypeError as one:
-                    what, why = f"argument {name}", one.__cause__ or one
-                    break
-            raise TypeError(
-                f"cannot pickle {what} of {self._mesh.name}.{self._desc.name}: {why}"
-            ) from None
+            where = f"{self._mesh.name}.{self._desc.name}"
+            raise unpicklable(args, kwargs, where, exc) from None
 
     def _where(self, rank: int) -> tuple[int, str]:
         """The mesh rank of called rank ``rank``, and how to name it in a message."""

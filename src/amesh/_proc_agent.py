@@ -17,6 +17,7 @@ from ._runtime._capture import output_identity
 from ._runtime._context import CallContext, call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import current_runtime
+from ._runtime._stacks import format_stacks
 from ._shape import Shape
 
 __all__ = ["AGENT_KEY", "ProcAgent"]
@@ -127,6 +128,19 @@ class ProcAgent(Actor):
         stats = msgspec.structs.asdict(current_runtime().statistics())
         stats["parent_death_signal"] = _parent_death_signal()
         return stats
+
+    @endpoint
+    def status(self) -> dict[str, Any]:
+        """What this worker does now: its pid, and per user actor
+        :meth:`ActorInstance.status <amesh._runtime._mailbox.ActorInstance.status>`."""
+        rt = current_runtime()
+        actors = [inst.status() for key, inst in rt.actors.items() if key != AGENT_KEY]
+        return {"pid": rt.pid, "actors": actors}
+
+    @endpoint
+    def stacks(self) -> str:
+        """Every thread's current Python stack and the event loop's pending tasks'."""
+        return format_stacks()
 
     @endpoint
     def adopt(self) -> int:

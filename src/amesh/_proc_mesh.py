@@ -34,13 +34,16 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
+import sniffio
 from anyio.abc import TaskGroup
 
 from . import _codec, _reload
 from ._actor import Actor
 from ._actor_mesh import ActorMesh
 from ._config import default_fanout, default_transport, env_float
+from ._endpoint import unpicklable
 from ._errors import ActorError, Failure, SupervisionError
+from ._mesh import _registry
 from ._mesh._host import Holder, Host, ProcHandle, default_host, persistent_host
 from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned
 from ._mesh._supervisor import MeshSupervisor
@@ -108,6 +111,9 @@ class ProcMesh(MeshView):
             the same line from several ranks once (``[trainers 0-15] ...``);
             ``"raw"``: every line as it comes; ``"off"``: dropped (see
             :mod:`amesh._runtime._output`).
+        backend: the event loop of the workers, ``"asyncio"`` (with uvloop) or
+            ``"trio"``, so that endpoints may use that library's API; by default the
+            controller's own (the loop that starts the mesh).
     """
 
     def __init__(
@@ -123,7 +129,11 @@ class ProcMesh(MeshView):
         name: str | None = None,
         persistent: bool = False,
         output: str | None = None,
+        backend: str | None = None,
     ) -> None:
+        if backend not in (None, "asyncio", "trio"):
+            raise ValueError(f"backend must be 'asyncio' or 'trio', not {backend!r}")
+        self._backend = backend
         if name is not None and not _NAME.fullmatch(name):
             raise ValueError(
                 f"a mesh name has 1 to 100 letters, digits, '.', '_' or '-', not {name!r:.60}"
@@ -218,6 +228,29 @@ class ProcMesh(MeshView):
         """Each worker's runtime counters (frames dropped, bad versions, calls, ...)."""
         return await self._agents(self._live()).statistics.call()
 
+    @bridged
+    async def status(self) -> ValueMesh[dict[str, Any]]:
+        """What each worker is doing: its pid, and per actor the actor mesh's name, the
+        rank, how many messages wait in its mailbox (``queued``), how many handlers
+        run (``running``) and the endpoints they run (``now``); see
+        :meth:`ProcAgent.status <amesh._proc_agent.ProcAgent.status>`."""
+        return await self._agents(self._live()).status.call()
+
+    @bridged
+    async def stacks(self, rank: int | None = None) -> str | ValueMesh[str]:
+        """The current Python stacks of the workers (every thread's; the pending tasks'
+        on asyncio and trio), as text: of the process of ``rank`` (in this mesh or
+        slice), else a :class:`ValueMesh` of every process's."""
+        st = self._live()
+        if rank is None:
+            return await self._agents(st).stacks.call()
+        if not 0 <= rank < len(self._shape):
+            raise IndexError(f"rank {rank} is not in {self!r}")
+        one = Shape(["procs"], [1], [self._shape.slots[rank]])
+        agent = ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, one, st.addrs)
+        text: str = await agent.stacks.call_one()
+        return text
+
     # -- starting -----------------------------------------------------------------------
 
     def _check_fresh(self) -> None:
@@ -288,15 +321,15 @@ class ProcMesh(MeshView):
         # controller's workers die with it, so nobody else ever removes them. Once per
         # mesh (restarts need not look again).
         _codec.sweep_segments()
+        self._life.backend = self._backend or sniffio.current_async_library()
         if self._persistent and getattr(self._host, "mesh_name", None) != self.name:
             assert self.name is not None
             self._set_host(await persistent_host(self.name, len(self._shape)))
         handles = await self._life.start_procs(rt, list(range(len(self._shape))))
         st = self._state = MeshState(rt, tg, handles)
         self._supervise_state(st)
-        if self._persistent:
-            st.publish = self._publish
-            await self._publish()
+        st.publish = self._publish
+        await self._publish()
 
     def _set_host(self, host: Host) -> None:
         self._host = self._life.host = host
@@ -342,11 +375,32 @@ class ProcMesh(MeshView):
         }
 
     async def _publish(self) -> None:
+        """Record the processes and actor meshes: in this machine's registry of live
+        meshes (``amesh list``), and a persistent mesh's with its host agents."""
         st = self._state
         if st is None or st.closing:
             return
-        holder: Holder = self._host  # type: ignore[assignment]
-        await holder.hold(self._record(st))
+        if self._persistent:
+            holder: Holder = self._host  # type: ignore[assignment]
+            await holder.hold(self._record(st))
+        _registry.update(self)
+
+    def listing(self) -> dict[str, Any] | None:
+        """This mesh as ``amesh list`` finds it (see :mod:`amesh._mesh._registry`)."""
+        st = self._state
+        if st is None or st.closing:
+            return None
+        return {
+            "name": self._life.name,
+            "labels": list(self._shape.labels),
+            "sizes": list(self._shape.sizes),
+            "addrs": list(st.addrs),
+            "pids": [p.pid for p in st.procs],
+            "actors": [sp.mesh.name for sp in st.spawned.values()],
+            "controller": st.runtime.address,
+            "persistent": self._persistent,
+            "output": self._life.output,
+        }
 
     async def _adopt(self, handles: list[ProcHandle], actors: list[dict[str, Any]]) -> None:
         """Own ``handles`` (the running processes of this persistent mesh, which
@@ -410,6 +464,7 @@ class ProcMesh(MeshView):
         if self._scoped:
             st.tg.cancel_scope.cancel()  # the watches of the processes
         st.closed.set()
+        _registry.forget(self)
 
     @bridged
     async def actor_mesh(self, name: str, actor_class: type[A] | None = None) -> ActorMesh[A]:
@@ -460,6 +515,7 @@ class ProcMesh(MeshView):
                 self._detach()
             else:
                 await self._life.shutdown(st)
+            _registry.forget(self)
         passed = pass_cancellation(exc_type, exc, tb)
         suppressed = bool(await stack.__aexit__(*passed)) and passed[1] is not None
         if st.unhandled and (exc is None or suppressed or remote or is_supervision(exc)):
@@ -492,6 +548,7 @@ class ProcMesh(MeshView):
             return
         with anyio.CancelScope(shield=True):
             await self._life.shutdown(st)
+            _registry.forget(self)
             if self._persistent:
                 holder: Holder = self._host  # type: ignore[assignment]
                 try:
@@ -566,7 +623,16 @@ class ProcMesh(MeshView):
             inspect.signature(actor_class).bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{actor_class.__qualname__}(): {exc}") from None
-        payload = _codec.dumps((actor_class, args, kwargs))
+        try:
+            payload = _codec.dumps((actor_class, args, kwargs))
+        except TypeError as exc:
+            try:
+                _codec.dumps(actor_class)
+            except TypeError as bad:
+                raise TypeError(
+                    f"cannot pickle {actor_class.__qualname__}: {bad.__cause__ or bad}"
+                ) from None
+            raise unpicklable(args, kwargs, f"{actor_class.__qualname__}()", exc) from None
         if old is not None:
             hand_over = set(self._shape.slots) if hasattr(actor_class, "__reload__") else set()
             await self._stop_spawned(st, old, replaced=True, hand_over=hand_over)

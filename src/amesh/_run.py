@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from ._config import default_transport
+from ._config import default_transport, loop_options
 from ._runtime._runtime import open_runtime
 from ._transport import open_transport
 
@@ -26,18 +26,10 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str | None = Non
             ``AMESH_BACKEND`` sets the default.
     """
     backend = backend or os.environ.get("AMESH_BACKEND", "asyncio")
-    options: dict[str, Any] = {}
-    if backend == "asyncio":
-        try:
-            import uvloop  # noqa: F401
-
-            options["use_uvloop"] = True
-        except ImportError:
-            pass
 
     async def root() -> T:
         scheme, host = default_transport()
         async with open_runtime(lambda: open_transport(scheme, host=host)):
             return await main(*args)
 
-    return anyio.run(root, backend=backend, backend_options=options)
+    return anyio.run(root, backend=backend, backend_options=loop_options(backend))

@@ -49,6 +49,7 @@ import anyio
 from . import _debug, _wire
 from ._actor import handlers_of
 from ._bootstrap import Bootstrap, read_bootstrap
+from ._config import loop_options
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime import _capture
 from ._runtime._context import call_context
@@ -378,13 +379,12 @@ def main(boot: Bootstrap | None = None) -> None:
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
     _take_output(os.environ.get("AMESH_LOG_LEVEL", "WARNING"))
-    try:
-        import uvloop  # noqa: F401
-
-        options = {"use_uvloop": True}
-    except ImportError:
-        options = {}
-    anyio.run(_serve, boot, backend="asyncio", backend_options=options)
+    # the event loop its ProcMesh asks for (not passed on to this worker's children)
+    backend = os.environ.pop("AMESH_WORKER_BACKEND", "") or "asyncio"
+    if backend not in ("asyncio", "trio"):
+        print(f"amesh worker: no event loop {backend!r}; running asyncio", file=sys.stderr)
+        backend = "asyncio"
+    anyio.run(_serve, boot, backend=backend, backend_options=loop_options(backend))
 
 
 if __name__ == "__main__":

@@ -22,12 +22,21 @@ hears no lease from a controller for ``grace`` seconds (the controller died, or 
 network between them is cut) kills that controller's workers. Workers also die with
 the agent (parent-death signal, and the pipe watch of :mod:`amesh._worker`). On SIGTERM
 or SIGINT the agent stops every worker and exits 0.
+
+``breakpoint()`` in a worker started here pauses it at the agent's own debug listener
+(see :mod:`amesh._debug`, started with the first worker): ``amesh debug`` on this
+machine attaches to it, and so does ``amesh.debug()`` at a controller that attached
+to this agent, through :meth:`HostAgent.debug_sessions` and the ``debug_*`` endpoints
+that relay a session.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -39,12 +48,14 @@ import anyio
 
 from .. import _codec
 from .._actor import Actor, endpoint, handlers_of
+from .._debug import current_listener, debug_env
 from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
 from .._runtime._runtime import Runtime, current_runtime, open_runtime
 from .._transport import HybridTransport, StreamTransport, Transport, default_impl, open_tls
 from .._transport._auth import adopt_key, read_key_file
+from ._home import state_dir
 from ._local import launch_worker
 
 __all__ = ["AGENT_ACTOR", "DEFAULT_GRACE", "HostAgent", "parse_listen", "serve_agent"]
@@ -88,6 +99,9 @@ class HostAgent(Actor):
         self._expiring = False
         #: set whenever a worker exits or a lease expires (the idle watch waits on it)
         self.changed = anyio.Event()
+        #: debug sessions relayed to controllers: handle -> our end of the session
+        self._debugging: dict[int, socket.socket] = {}
+        self._handles = itertools.count(1)
 
     @endpoint(concurrent=True)
     def info(self) -> dict[str, Any]:
@@ -122,6 +136,7 @@ class HostAgent(Actor):
         rt = current_runtime()
         child_env = dict(os.environ)
         child_env.update(env)
+        child_env.update(debug_env(lambda: state_dir() / "debug"))
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         # the worker listens the way its controller does: TLS between hosts (and
         # streams within this one), or plain tcp streams
@@ -187,6 +202,53 @@ class HostAgent(Actor):
     def idle(self) -> bool:
         """No worker runs here and no controller holds a lease."""
         return not self._watched and all(c.exited.is_set() for c in self.children.values())
+
+    # -- ranks paused in breakpoint() --------------------------------------------------
+
+    @endpoint(concurrent=True)
+    def debug_sessions(self) -> list[dict[str, Any]]:
+        """The ranks paused here that nobody attached to: ``id``, ``title`` (``w[1] at
+        train.py:42``), and where (``pid``, ``host``, ``file``, ``line``, ...)."""
+        listener = current_listener()
+        return [p.describe() for p in listener.sessions()] if listener is not None else []
+
+    @endpoint(concurrent=True)
+    def debug_open(self, ident: int) -> int | None:
+        """Attach the caller to paused session ``ident``: a handle for the other
+        ``debug_*`` endpoints; None when it is no longer paused, or taken."""
+        listener = current_listener()
+        sock = listener.open(ident) if listener is not None else None
+        if sock is None:
+            return None
+        handle = next(self._handles)
+        self._debugging[handle] = sock
+        return handle
+
+    @endpoint(concurrent=True)
+    async def debug_read(self, handle: int, timeout: float) -> bytes | None:
+        """What session ``handle`` sent within ``timeout`` seconds (pdb's JSON lines):
+        None when nothing, ``b""`` once it ended."""
+        sock = self._debugging.get(handle)
+        if sock is None:
+            return b""
+        return await anyio.to_thread.run_sync(_read_some, sock, timeout, abandon_on_cancel=True)
+
+    @endpoint(concurrent=True)
+    async def debug_write(self, handle: int, data: bytes) -> None:
+        """Send ``data`` (the user's lines) to session ``handle``."""
+        sock = self._debugging.get(handle)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # it ended: the reader sees that
+                await anyio.to_thread.run_sync(sock.sendall, data)
+
+    @endpoint(concurrent=True)
+    def debug_close(self, handle: int) -> None:
+        """Detach from session ``handle`` (the rank goes on)."""
+        sock = self._debugging.pop(handle, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
     # -- persistent meshes ------------------------------------------------------------
 
@@ -283,6 +345,16 @@ class HostAgent(Actor):
         for child in self.children.values():
             if child.process.returncode is None:
                 child.process.kill()
+
+
+def _read_some(sock: socket.socket, timeout: float) -> bytes | None:
+    """What ``sock`` has within ``timeout`` seconds: None when nothing, ``b""`` at its
+    end (or once it is closed)."""
+    try:
+        ready, _, _ = select.select([sock], [], [], timeout)
+        return sock.recv(65536) if ready else None
+    except (OSError, ValueError):  # closed under us (debug_close)
+        return b""
 
 
 def parse_listen(listen: str) -> tuple[str, str, int]:

@@ -10,7 +10,9 @@ made readable by its owner only):
   with ``AMESH_KEY_FILE`` naming this file;
 - ``agent.addr``: where the agent listens (loopback tcp), written once it listens and
   removed when it exits;
-- ``agent.log``: what it logs.
+- ``agent.log``: what it logs;
+- ``meshes/``: the live meshes of this user's controllers on this machine (see
+  :mod:`amesh._mesh._registry`).
 
 The agent is started in a session of its own (it is nobody's child: it outlives the
 controller that started it) and exits by itself once it has had no worker and no
@@ -30,6 +32,7 @@ from pathlib import Path
 import anyio
 
 from .._config import env_float
+from .._mesh._registry import set_registry_dir
 from .._transport._auth import write_key_file
 
 __all__ = ["IDLE_EXIT", "local_agent", "local_agent_address", "local_key", "state_dir"]
@@ -46,6 +49,10 @@ def state_dir() -> Path:
     path = Path(os.environ.get("AMESH_STATE_DIR") or Path.home() / ".cache" / "amesh")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
+
+
+# the controllers' live meshes, for ``amesh list`` (see amesh._mesh._registry)
+set_registry_dir(lambda: state_dir() / "meshes")
 
 
 def local_key() -> Path:

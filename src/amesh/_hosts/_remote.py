@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 
 from .._actor_mesh import ActorMesh
+from .._debug import RemoteDebugger, set_remote_debuggers
 from .._errors import SupervisionError
 from .._mesh._host import Holder, ProcHandle, set_persistent_host
 from .._proc_mesh import ProcMesh
@@ -165,6 +166,46 @@ def _lease(rt: Runtime, agents: Sequence[str]) -> None:
         rt.owned.insert(0, leases)  # stopped last, after the meshes on the agents
     for agent in agents:
         leases.add(agent)
+
+
+class _AgentDebugger:
+    """The ranks paused under one host agent, for ``amesh.debug()`` (a
+    :class:`~amesh._debug.RemoteDebugger`)."""
+
+    def __init__(self, addr: str) -> None:
+        self._agent = ActorMesh(
+            "hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": 1}), [addr], 0
+        )
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = await self._agent.debug_sessions.call_one(timeout=5.0)
+        return found
+
+    async def open(self, ident: int) -> int | None:
+        handle: int | None = await self._agent.debug_open.call_one(ident)
+        return handle
+
+    async def read(self, handle: int, timeout: float) -> bytes | None:
+        data: bytes | None = await self._agent.debug_read.call_one(handle, timeout)
+        return data
+
+    async def write(self, handle: int, data: bytes) -> None:
+        await self._agent.debug_write.call_one(handle, data)
+
+    async def close(self, handle: int) -> None:
+        await self._agent.debug_close.call_one(handle)
+
+
+def _debuggers() -> list[RemoteDebugger]:
+    """The host agents this controller holds leases on, as ``amesh.debug()`` sees them."""
+    try:
+        leases = _LEASES.get(current_runtime())
+    except RuntimeError:  # no runtime: no agents
+        return []
+    return [_AgentDebugger(a) for a in sorted(leases.agents)] if leases is not None else []
+
+
+set_remote_debuggers(_debuggers)
 
 
 class HostMesh(MeshView):

@@ -134,6 +134,8 @@ class Lifecycle:
         self.label = label
         self.output = output
         self.name = name
+        #: the workers' event loop (``asyncio`` or ``trio``; see ``ProcMesh(backend=)``)
+        self.backend = "asyncio"
         self._printer: OutputPrinter | None = None
 
     def scheme(self, rt: Runtime) -> tuple[str, str]:
@@ -187,6 +189,7 @@ class Lifecycle:
             "AMESH_OUTPUT": self.output,
             "AMESH_OUTPUT_LABEL": self.name,
             "AMESH_OUTPUT_RANK": str(slot),
+            "AMESH_WORKER_BACKEND": self.backend,
         }
 
     def printer(self, rt: Runtime) -> OutputPrinter:

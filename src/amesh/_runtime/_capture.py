@@ -56,6 +56,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import anyio
+import sniffio
 
 from .. import _wire
 from .._wire import LOG, STDERR, STDOUT, OutputLine
@@ -380,22 +381,25 @@ class Capture:
 
     async def run(self, rt: Runtime) -> None:
         """Send what is written to this process's parent, until cancelled (a task of
-        ``rt``, an asyncio runtime)."""
+        ``rt``, on asyncio or trio)."""
         self._rt = rt
         self._send_lock = anyio.Lock()
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
+        soon = _call_soon_threadsafe()
+        wake = anyio.Event()
+
+        def set_wake() -> None:
+            wake.set()
 
         def notify() -> None:
             try:
-                loop.call_soon_threadsafe(wake.set)
+                soon(set_wake)
             except RuntimeError:  # the loop has closed
                 pass
 
         self._notify = notify
         await self._send(first=True)  # says that this process captures (see OutputPrinter)
         while True:
-            wake.clear()
+            wake = anyio.Event()
             if not self.pending:
                 await wake.wait()
             await anyio.sleep(FLUSH_INTERVAL)
@@ -657,3 +661,13 @@ class _Pipes:
         for r in list(self._ends):
             self._drain(r)
         self._undo()
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], None]], object]:
+    """How another thread schedules a callback on the running event loop."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    loop = asyncio.get_running_loop()
+    return lambda callback: loop.call_soon_threadsafe(callback)

@@ -225,12 +225,29 @@ class ActorInstance:
         #: meshes this actor started and stops with it
         self.owned: list[Owned] = []
         self.tg: TaskGroup | None = None
-        self._running: set[anyio.CancelScope] = set()
+        #: the scopes of the handlers running now, and their endpoints' names
+        self._running: dict[anyio.CancelScope, str] = {}
         self._serial_done: Any = None
+        #: 1 while the loop holds a serial message until the running one is done
+        self._held = 0
         self._drained = anyio.Event()
         self._stopping = anyio.Event()
         #: set when the dispatch loop has ended
         self.done = anyio.Event()
+
+    def status(self) -> dict[str, Any]:
+        """What it does now: its mesh's name and its rank, the messages waiting in its
+        mailbox (``queued``), its handlers running (``running``) and their endpoints
+        (``now``), and how many it has handled."""
+        return {
+            "name": self.name,
+            "rank": self.rank,
+            "queued": len(self._queue) + self._held,
+            "running": len(self._running),
+            "now": sorted(self._running.values()),
+            "handled": self.handled,
+            "failed": self.failed,
+        }
 
     def label(self, method: str = "") -> str:
         return f"{self.name}[{self.rank}]" + (f".{method}" if method else "")
@@ -319,7 +336,9 @@ class ActorInstance:
             # but concurrent handlers that already started keep running, which is what
             # lets a serial handler be re-entered through a concurrent endpoint.
             if self._serial_done is not None:
+                self._held = 1  # taken from the queue, still waiting: queued
                 await self._serial_done.wait()
+                self._held = 0
             done = self._serial_done = self._new_event()
             tg.start_soon(self._handle_serial, env, buffers, handler, done)
 
@@ -376,7 +395,7 @@ class ActorInstance:
         token = call_context.set(ctx)
         scope = ctx.scope = anyio.CancelScope()
         rt.running[key] = scope
-        self._running.add(scope)
+        self._running[scope] = env.method
         dest, reply_id, shm = "", 0, False
         if isinstance(env, _wire.Call):
             dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
@@ -406,7 +425,7 @@ class ActorInstance:
             failure = exc
         finally:
             rt.running.pop(key, None)
-            self._running.discard(scope)
+            self._running.pop(scope, None)
             call_context.reset(token)
             self.handled += 1
         if scope.cancel_called:

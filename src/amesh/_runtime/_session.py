@@ -43,7 +43,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import anyio
 
-from .._config import default_transport
+from .._config import default_transport, loop_options
 from .._errors import Failure
 from .._transport import open_transport
 from ._context import call_context, runtime_var
@@ -88,15 +88,8 @@ class _Session:
             return self.loop
 
     def _run(self, ready: threading.Event) -> None:
-        options: dict[str, Any] = {}
         try:
-            import uvloop  # noqa: F401
-
-            options["use_uvloop"] = True
-        except ImportError:
-            pass
-        try:
-            anyio.run(self._main, ready, backend="asyncio", backend_options=options)
+            anyio.run(self._main, ready, backend="asyncio", backend_options=loop_options("asyncio"))
         except BaseException as exc:  # the session's runtime failed to open, or to close
             self._error = exc
         finally:

@@ -1,0 +1,142 @@
+"""``amesh list``, ``amesh stacks`` and ``amesh logs`` for the live meshes of the
+controllers on this machine, found in the registry (:mod:`amesh._mesh._registry`).
+
+The workers are asked directly, with each controller's key (the registry holds it),
+one controller after another: a runtime of its own for each mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import anyio
+
+from .._actor_mesh import ActorMesh
+from .._mesh._registry import read_all
+from .._proc_agent import AGENT_KEY, ProcAgent
+from .._runtime._runtime import open_runtime
+from .._shape import Shape
+from .._transport import open_transport
+from .._transport._auth import adopt_key
+
+__all__ = ["ASK_TIMEOUT", "ask", "describe_live", "find", "live_meshes", "logs_text"]
+
+#: Seconds a worker has to answer ``amesh list`` or ``amesh stacks``.
+ASK_TIMEOUT = 5.0
+
+
+def _transport_for(mesh: dict[str, Any]) -> Any:
+    """A transport that reaches the workers of ``mesh`` (the way its controller does)."""
+    scheme, rest = mesh["controller"].split("://", 1)
+    host = "127.0.0.1"
+    if scheme.removeprefix("stream+") in ("tcp", "tls+tcp"):
+        host = rest.rsplit(":", 1)[0].strip("[]")
+    return open_transport(scheme, host=host, reach=mesh["addrs"][0])
+
+
+async def ask(
+    key: str, mesh: dict[str, Any], method: str, ranks: list[int] | None = None
+) -> list[Any]:
+    """Call ``method`` of the system actor of each of ``ranks`` (default: all) of
+    ``mesh`` (a registry entry), with the controller's ``key`` (hex).
+
+    Returns:
+        Per rank asked, the answer, or ``{"error": why}`` if there was none.
+    """
+    adopt_key(bytes.fromhex(key))
+    addrs: list[str] = mesh["addrs"]
+    ranks = list(range(len(addrs))) if ranks is None else ranks
+    answers: list[Any] = [None] * len(ranks)
+
+    async def one(i: int, rank: int) -> None:
+        agent = ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, Shape(["procs"], [1], [rank]), addrs)
+        try:
+            answers[i] = await getattr(agent, method).call_one(timeout=ASK_TIMEOUT)
+        except Exception as exc:  # a dead or busy worker: say so, go on with the others
+            answers[i] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+
+    async with open_runtime(lambda: _transport_for(mesh)), anyio.create_task_group() as tg:
+        for i, rank in enumerate(ranks):
+            tg.start_soon(one, i, rank)
+    return answers
+
+
+async def live_meshes() -> list[dict[str, Any]]:
+    """Every live mesh of the controllers on this machine (but this process): its
+    registry entry, with ``controller_pid`` and per rank the worker's ``status``."""
+    found = []
+    for record in read_all():
+        if record.get("pid") == os.getpid():
+            continue
+        for mesh in record.get("meshes", []):
+            mesh["controller_pid"] = record["pid"]
+            mesh["ranks"] = await ask(record["key"], mesh, "status")
+            found.append(mesh)
+    return found
+
+
+def find(name: str, pid: int | None) -> tuple[str, dict[str, Any]]:
+    """``(key, entry)`` of the live mesh ``name`` (of the controller ``pid``).
+
+    Raises:
+        LookupError: there is none, or several (pid not given).
+    """
+    matches = [
+        (r["key"], m | {"controller_pid": r["pid"]})
+        for r in read_all()
+        for m in r.get("meshes", [])
+        if m["name"] == name and pid in (None, r["pid"])
+    ]
+    if not matches:
+        raise LookupError(f"no live mesh named {name!r} on this machine")
+    if len(matches) > 1:
+        pids = ", ".join(str(m["controller_pid"]) for _, m in matches)
+        raise LookupError(f"several meshes are named {name!r} (controller pids {pids}): use --pid")
+    return matches[0]
+
+
+def _shape(mesh: dict[str, Any]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in zip(mesh["labels"], mesh["sizes"]))
+
+
+def describe_live(mesh: dict[str, Any]) -> str:
+    """A live mesh, as ``amesh list`` shows it: one line per rank with the worker's
+    pid, its actors' queued messages and running handlers, and the endpoints running
+    (``now: trainers.step``)."""
+    kind = "  persistent" if mesh.get("persistent") else ""
+    lines = [f"{mesh['name']}  {{{_shape(mesh)}}}  controller pid {mesh['controller_pid']}{kind}"]
+    lines.append("  actor meshes: " + (", ".join(mesh["actors"]) or "none"))
+    for rank, (pid, status) in enumerate(zip(mesh["pids"], mesh["ranks"])):
+        if "error" in status:
+            lines.append(f"  {rank}: pid {pid}  no answer: {status['error']}")
+            continue
+        actors = status["actors"]
+        queued = sum(a["queued"] for a in actors)
+        running = sum(a["running"] for a in actors)
+        now = [f"{a['name']}.{m}" for a in actors for m in a["now"]]
+        failed = [f"{a['name']} failed: {a['failed']}" for a in actors if a["failed"]]
+        line = f"  {rank}: pid {status['pid']}  queued={queued} running={running}"
+        line += "  now: " + (", ".join(now) or "idle")
+        lines.append(line + "".join(f"; {f}" for f in failed))
+    return "\n".join(lines)
+
+
+def logs_text(mesh: dict[str, Any]) -> str:
+    """Where the output of a live mesh's workers goes: its controller prints it."""
+    pid = mesh["controller_pid"]
+    where = []
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            target = "unknown"
+        where.append(f"  {stream}: {target}")
+    mode = mesh.get("output", "folded")
+    return "\n".join(
+        [
+            f"the output of mesh {mesh['name']!r} (output={mode!r}) is printed by its "
+            f"controller, pid {pid}, each line after its actor mesh and rank:",
+            *where,
+        ]
+    )

@@ -1,0 +1,116 @@
+"""This process's live ProcMeshes, in a file that ``amesh list`` on this machine reads.
+
+Each controller (any process that started a ProcMesh) keeps
+``<state dir>/meshes/<pid>.json`` (mode 0600, in the user-only state directory of
+:mod:`amesh._hosts._home`): per live mesh its name, shape, workers' addresses and pids
+by slot and actor meshes, with the job key in hex (the same trust as the state
+directory's ``key`` file). It is rewritten (atomically) when a mesh starts, spawns or
+stops an actor mesh, restarts processes or stops, and removed when the process's last
+mesh stops. The hosts layer registers where the state directory is (see
+:func:`set_registry_dir`); without one, nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from .._transport._auth import job_key
+
+__all__ = ["Listed", "forget", "read_all", "registry_dir", "set_registry_dir", "update"]
+
+log = logging.getLogger("amesh.mesh")
+
+
+class Listed(Protocol):
+    """A mesh as the registry lists it."""
+
+    def listing(self) -> dict[str, Any] | None:
+        """Its entry (None: not running)."""
+        ...
+
+
+_registry_dir: Callable[[], Path] | None = None
+#: the live meshes of this process, in the order they started
+_live: dict[int, Listed] = {}
+
+
+def set_registry_dir(where: Callable[[], Path]) -> None:
+    """Register where the files of the registry live (the hosts layer does, on import)."""
+    global _registry_dir
+    _registry_dir = where
+
+
+def registry_dir() -> Path | None:
+    """The directory of the registry files (None: none registered)."""
+    return _registry_dir() if _registry_dir is not None else None
+
+
+def update(mesh: Listed) -> None:
+    """``mesh`` started or changed: rewrite this process's file."""
+    _live[id(mesh)] = mesh
+    _write()
+
+
+def forget(mesh: Listed) -> None:
+    """``mesh`` stopped (or was let go of): rewrite the file, or remove it if it was
+    the last one."""
+    if _live.pop(id(mesh), None) is not None:
+        _write()
+
+
+def _write() -> None:
+    try:
+        where = registry_dir()
+        if where is None:
+            return
+        path = where / f"{os.getpid()}.json"
+        meshes = [e for e in (m.listing() for m in _live.values()) if e is not None]
+        if not meshes:
+            path.unlink(missing_ok=True)
+            return
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        record = {"pid": os.getpid(), "key": job_key().hex(), "meshes": meshes}
+        tmp = where / f".{os.getpid()}.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home: amesh list just won't see this process
+        log.debug("cannot write the mesh registry: %s", exc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_all() -> list[dict[str, Any]]:
+    """The records of the live controllers on this machine, by pid; the files of
+    controllers that are gone are removed."""
+    where = registry_dir()
+    if where is None or not where.is_dir():
+        return []
+    records = []
+    for path in sorted(where.glob("*.json")):
+        try:
+            pid = int(path.stem)
+        except ValueError:
+            continue
+        if not _alive(pid):
+            path.unlink(missing_ok=True)
+            continue
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being replaced, or not ours
+    return sorted(records, key=lambda r: int(r.get("pid", 0)))

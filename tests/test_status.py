@@ -1,0 +1,170 @@
+"""Seeing what runs: ProcMesh.status() and stacks(), and `amesh list`, `amesh stacks`,
+`amesh logs` (the registry of live meshes), on asyncio (uvloop) and trio."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from amesh import Actor, ProcMesh, endpoint
+
+pytestmark = pytest.mark.anyio
+
+_OPEN: dict[str, anyio.Event] = {}
+
+
+def _door() -> anyio.Event:
+    """One event per process (made on first use, on the worker's loop)."""
+    if "door" not in _OPEN:
+        _OPEN["door"] = anyio.Event()
+    return _OPEN["door"]
+
+
+class Waiter(Actor):
+    """Serial: each ``wait_for_door`` blocks the ones queued behind it."""
+
+    @endpoint
+    async def wait_for_door(self) -> int:
+        await _door().wait()
+        return 1
+
+
+class Mixed(Waiter):
+    """The same, with a concurrent endpoint (a task per message)."""
+
+    @endpoint(concurrent=True)
+    async def ping(self) -> None:
+        pass
+
+
+class Doorman(Actor):
+    """Opens the door: another actor, so another mailbox."""
+
+    @endpoint
+    def open(self) -> None:
+        _door().set()
+
+
+async def _until(procs: ProcMesh, test: Any) -> list[dict[str, Any]]:
+    """Poll ``procs.status()`` until ``test`` holds for the actor list of rank 1."""
+    while True:
+        actors = (await procs.status()).values()[1]["actors"]
+        if test(actors):
+            return list(actors)
+        await anyio.sleep(0.01)
+
+
+def _waiter(actors: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(a for a in actors if a["name"] == "waiters")
+
+
+@pytest.mark.parametrize("cls", [Waiter, Mixed])
+async def test_status_shows_running_and_queued_calls(cls: type[Waiter]) -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 2}) as procs:
+            waiters = await procs.spawn("waiters", cls)
+            door = await procs.spawn("door", Doorman)
+            idle = (await procs.status()).values()
+            assert [s["pid"] for s in idle] == procs.pids
+            assert _waiter(idle[0]["actors"]) | {"handled": 0} == {
+                "name": "waiters",
+                "rank": 0,
+                "queued": 0,
+                "running": 0,
+                "now": [],
+                "handled": 0,
+                "failed": None,
+            }
+            one = waiters.slice(procs=1)
+            results: list[int] = []
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(lambda: _append(results, one.wait_for_door.call_one()))
+                busy = _waiter(await _until(procs, lambda a: _waiter(a)["queued"] == 2))
+                assert busy["running"] == 1 and busy["now"] == ["wait_for_door"]
+                assert _waiter((await procs.status()).values()[0]["actors"])["running"] == 0
+                stacks = await procs.stacks(1)
+                assert "wait_for_door" in stacks and "--- thread" in stacks
+                assert "wait_for_door" not in await procs.stacks(0)
+                every = await procs.stacks()
+                assert "wait_for_door" in every.values()[1]
+                await door.slice(procs=1).open.call_one()
+            assert results == [1, 1, 1]
+            done = _waiter((await procs.status()).values()[1]["actors"])
+            assert (done["queued"], done["running"], done["now"]) == (0, 0, [])
+            with pytest.raises(IndexError):
+                await procs.stacks(2)
+
+
+async def _append(results: list[int], call: Any) -> None:
+    results.append(await call)
+
+
+async def _amesh(*args: str) -> str:
+    out = await anyio.run_process([sys.executable, "-m", "amesh", *args], check=False)
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout.decode()
+
+
+async def test_amesh_list_stacks_and_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A controller's live mesh is in the registry while it runs: `amesh list` (and
+    --json) shows its pids and the endpoint running, `amesh stacks` the blocked
+    handler's frame; the file is gone once the mesh stops."""
+    monkeypatch.setenv("AMESH_STATE_DIR", str(tmp_path))
+    registry = tmp_path / "meshes" / f"{os.getpid()}.json"
+    with anyio.fail_after(120):
+        async with ProcMesh({"procs": 2}, name="watched") as procs:
+            waiters = await procs.spawn("waiters", Waiter)
+            door = await procs.spawn("door", Doorman)
+            assert registry.stat().st_mode & 0o777 == 0o600
+            record = json.loads(registry.read_text())
+            assert [m["name"] for m in record["meshes"]] == ["watched"]
+            assert record["meshes"][0]["actors"] == ["waiters", "door"]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiters.slice(procs=1).wait_for_door.call_one)
+                await _until(procs, lambda a: _waiter(a)["running"] == 1)
+                listed = await _amesh("list")
+                assert f"watched  {{procs: 2}}  controller pid {os.getpid()}" in listed, listed
+                assert "actor meshes: waiters, door" in listed, listed
+                p0, p1 = procs.pids
+                assert f"0: pid {p0}  queued=0 running=0  now: idle" in listed, listed
+                assert f"1: pid {p1}  queued=0 running=1  now: waiters.wait_for_door" in listed
+                assert "no persistent meshes" in listed, listed
+                raw = json.loads(await _amesh("list", "--json"))
+                (live,) = raw["live"]
+                assert live["name"] == "watched" and live["pids"] == procs.pids
+                assert live["ranks"][1]["actors"][0]["now"] == ["wait_for_door"]
+                assert raw["persistent"] == {}
+                stacks = await _amesh("stacks", "watched", "1")
+                assert f"=== watched rank 1 (pid {p1})" in stacks and "wait_for_door" in stacks
+                assert "rank 0" not in stacks
+                logs = await _amesh("logs", "watched")
+                assert f"printed by its controller, pid {os.getpid()}" in logs, logs
+                await door.slice(procs=1).open.call_one()
+            assert registry.exists()
+        assert not registry.exists()
+        assert "no live meshes" in await _amesh("list")
+        out = await anyio.run_process(
+            [sys.executable, "-m", "amesh", "stacks", "watched"], check=False
+        )
+        assert out.returncode == 1 and b"no live mesh named 'watched'" in out.stderr
+
+
+async def test_stale_registry_files_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file of a controller that is gone (killed) is ignored and removed."""
+    monkeypatch.setenv("AMESH_STATE_DIR", str(tmp_path))
+    with anyio.fail_after(60):
+        dead = await anyio.run_process([sys.executable, "-c", "import os; print(os.getpid())"])
+        stale = tmp_path / "meshes" / f"{int(dead.stdout)}.json"
+        stale.parent.mkdir(mode=0o700)
+        stale.write_text(json.dumps({"pid": int(dead.stdout), "key": "00", "meshes": []}))
+        assert "no live meshes" in await _amesh("list")
+        assert not stale.exists()
