@@ -79,8 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     stacks.add_argument("name", help="the mesh's name (`procs` unless named)")
     stacks.add_argument("rank", type=int, nargs="?", default=None, help="one rank only")
-    logs = sub.add_parser("logs", help="say where the output of a live mesh's workers goes")
+    logs = sub.add_parser(
+        "logs",
+        help="print the last lines of output of a live mesh's workers (its controller keeps 1000)",
+    )
     logs.add_argument("name", help="the mesh's name (`procs` unless named)")
+    logs.add_argument(
+        "-n", "--lines", type=int, default=100, help="how many of the last lines (default 100)"
+    )
     for cmd in (stacks, logs):
         cmd.add_argument(
             "--pid", type=int, default=None, help="its controller's pid (when several have one)"

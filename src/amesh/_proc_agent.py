@@ -20,9 +20,12 @@ from ._runtime._runtime import current_runtime
 from ._runtime._stacks import format_stacks
 from ._shape import Shape
 
-__all__ = ["AGENT_KEY", "ProcAgent"]
+__all__ = ["AGENT_KEY", "CONTROLLER_KEY", "ControllerAgent", "ProcAgent", "serve_controller"]
 
 AGENT_KEY = "_proc"
+#: The key of the system actor of a controller whose meshes are in this machine's
+#: registry (``amesh logs``).
+CONTROLLER_KEY = "_controller"
 _PR_GET_PDEATHSIG = 2
 log = logging.getLogger("amesh.proc")
 
@@ -134,7 +137,11 @@ class ProcAgent(Actor):
         """What this worker does now: its pid, and per user actor
         :meth:`ActorInstance.status <amesh._runtime._mailbox.ActorInstance.status>`."""
         rt = current_runtime()
-        actors = [inst.status() for key, inst in rt.actors.items() if key != AGENT_KEY]
+        actors = [
+            inst.status()
+            for key, inst in rt.actors.items()
+            if key not in (AGENT_KEY, CONTROLLER_KEY)
+        ]
         return {"pid": rt.pid, "actors": actors}
 
     @endpoint
@@ -158,3 +165,24 @@ class ProcAgent(Actor):
     def shutdown(self) -> None:
         """Let the worker exit."""
         self._shutdown.set()
+
+
+class ControllerAgent(Actor):
+    """Lives under :data:`CONTROLLER_KEY` in a controller once it runs a mesh: answers
+    ``amesh logs``."""
+
+    @endpoint
+    def logs(self, name: str, n: int = 100) -> list[str]:
+        """The last ``n`` lines of output of this controller's mesh ``name``."""
+        return current_runtime().outputs.recent(name, n)
+
+
+def serve_controller(rt: Any) -> None:
+    """Run a :class:`ControllerAgent` in ``rt`` (once)."""
+    if CONTROLLER_KEY not in rt.actors:
+        agent = ControllerAgent()
+        rt.add_actor(
+            ActorInstance(
+                rt, CONTROLLER_KEY, CONTROLLER_KEY, agent, handlers_of(ControllerAgent), "", 0
+            )
+        )

@@ -47,7 +47,7 @@ from ._mesh import _registry
 from ._mesh._host import Holder, Host, ProcHandle, default_host, persistent_host
 from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned
 from ._mesh._supervisor import MeshSupervisor
-from ._proc_agent import AGENT_KEY, ProcAgent
+from ._proc_agent import AGENT_KEY, ProcAgent, serve_controller
 from ._runtime._context import call_context, runtime_var
 from ._runtime._mailbox import ActorInstance
 from ._runtime._output import output_mode
@@ -383,6 +383,7 @@ class ProcMesh(MeshView):
         if self._persistent:
             holder: Holder = self._host  # type: ignore[assignment]
             await holder.hold(self._record(st))
+        serve_controller(st.runtime)  # for `amesh logs`
         _registry.update(self)
 
     def listing(self) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from .._transport._auth import adopt_key_file
 from .._transport._stream import StreamTransport
 from ._agent import address_towards
 from ._home import local_key
-from ._live import ask, describe_live, find, live_meshes, logs_text
+from ._live import ask, describe_live, find, live_meshes, recent_logs
 from ._remote import _agent_address, attach, held_meshes, local_hosts
 
 __all__ = ["describe", "main"]
@@ -105,7 +105,9 @@ def main(
         if command == "stacks":
             return await _stacks(args.name, args.rank, args.pid)
         if command == "logs":
-            print(logs_text(find(args.name, args.pid)[1]))
+            key, mesh = find(args.name, args.pid)
+            lines = await recent_logs(key, mesh, args.lines)
+            print("\n".join(lines) if lines else f"no output from {args.name!r} yet")
             return 0
         if hosts is None:
             adopt_key_file(str(local_key()))
@@ -124,7 +126,7 @@ def main(
         _print_list(held, await live_meshes() if hosts is None else None, args.json)
         return 0
 
-    if command in ("list", "stacks"):
+    if command in ("list", "stacks", "logs"):
         # These talk to the workers of one controller after another, each with its
         # key, a runtime each: after such a change of key, replies over the asyncio
         # fast path of stream links never arrive (a transport bug, to be fixed

@@ -14,13 +14,13 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._mesh._registry import read_all
-from .._proc_agent import AGENT_KEY, ProcAgent
+from .._proc_agent import AGENT_KEY, CONTROLLER_KEY, ControllerAgent, ProcAgent
 from .._runtime._runtime import open_runtime
 from .._shape import Shape
 from .._transport import open_transport
 from .._transport._auth import adopt_key
 
-__all__ = ["ASK_TIMEOUT", "ask", "describe_live", "find", "live_meshes", "logs_text"]
+__all__ = ["ASK_TIMEOUT", "ask", "describe_live", "find", "live_meshes", "recent_logs"]
 
 #: Seconds a worker has to answer ``amesh list`` or ``amesh stacks``.
 ASK_TIMEOUT = 5.0
@@ -122,21 +122,13 @@ def describe_live(mesh: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def logs_text(mesh: dict[str, Any]) -> str:
-    """Where the output of a live mesh's workers goes: its controller prints it."""
-    pid = mesh["controller_pid"]
-    where = []
-    for fd, stream in ((1, "stdout"), (2, "stderr")):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            target = "unknown"
-        where.append(f"  {stream}: {target}")
-    mode = mesh.get("output", "folded")
-    return "\n".join(
-        [
-            f"the output of mesh {mesh['name']!r} (output={mode!r}) is printed by its "
-            f"controller, pid {pid}, each line after its actor mesh and rank:",
-            *where,
-        ]
+async def recent_logs(key: str, mesh: dict[str, Any], n: int) -> list[str]:
+    """The last ``n`` lines of output of ``mesh`` (a registry entry), which its
+    controller keeps (asked with the controller's ``key``, hex)."""
+    adopt_key(bytes.fromhex(key))
+    controller = ActorMesh(
+        CONTROLLER_KEY, CONTROLLER_KEY, ControllerAgent, Shape(["procs"], [1]), [mesh["controller"]]
     )
+    async with open_runtime(lambda: _transport_for(mesh)):
+        lines: list[str] = await controller.logs.call_one(mesh["name"], n, timeout=ASK_TIMEOUT)
+    return lines

@@ -58,6 +58,8 @@ FOLD_WINDOW = 0.05
 SETTLE_TIMEOUT = 2.0
 #: Frames kept per process until its printer is attached, and processes kept so.
 _EARLY_FRAMES = 64
+#: Lines of a mesh's output that its controller keeps for ``amesh logs``.
+RECENT_LINES = 1000
 _EARLY_PROCS = 1024
 
 
@@ -123,6 +125,12 @@ class Outputs:
         if self._printers.get(addr, (None, 0))[0] is printer:
             del self._printers[addr]
 
+    def recent(self, label: str, n: int) -> list[str]:
+        """The last ``n`` lines of output of the meshes named ``label`` (ProcMeshes)."""
+        printers = {p for p, _ in self._printers.values() if p.label == label}
+        lines = [line for p in printers for line in p.recent]
+        return lines[-n:] if n > 0 else []
+
     def deliver(self, env: Output, peer: str) -> bool:
         """Print ``env`` from ``peer``; False when no printer takes its output."""
         found = self._printers.get(peer)
@@ -183,6 +191,8 @@ class OutputPrinter:
         self._seq = 0
         self._wakeup: Any = None
         self._scope = anyio.CancelScope()
+        #: the last lines, each with its own rank (``amesh logs``)
+        self.recent: deque[str] = deque(maxlen=RECENT_LINES)
 
     def attach(self, addr: str, slot: int) -> None:
         """Print the output of the process at ``addr``, slot ``slot`` of the mesh."""
@@ -213,6 +223,7 @@ class OutputPrinter:
     def on_output(self, addr: str, slot: int, env: Output) -> None:
         """An :class:`~amesh._wire.Output` frame from the process at ``addr``."""
         self._capturing.add(addr)
+        self.recent.extend(_plain(line) for line in env.lines)
         if self.mode != "off":
             lines: list[OutputLine] = list(env.lines)
             if env.dropped:
@@ -274,6 +285,15 @@ class OutputPrinter:
                 if delay > 0:
                     await anyio.sleep(delay)
                 self.release(time.monotonic())
+
+
+def _plain(line: OutputLine) -> str:
+    """``line`` as ``amesh logs`` shows it: its own rank, and a record's level and
+    logger."""
+    text = line.text
+    if line.stream == LOG:
+        text = f"{logging.getLevelName(line.level)} {line.logger or 'root'}: {text}"
+    return f"[{line.label} {line.rank}] {text}"
 
 
 def _stream(line: OutputLine) -> TextIO:
