@@ -127,7 +127,7 @@ async def endpoint_transfers(cuda: bool) -> tuple[list[dict[str, Any]], str | No
         for mib in SIZES_MIB:
             n = mib * MIB
             payload = torch.ones(n, dtype=torch.uint8)
-            cases: list[tuple[str, amesh.MeshEndpoint[Any], tuple[Any, ...]]] = [
+            cases: list[tuple[str, amesh.MeshEndpoint[..., Any], tuple[Any, ...]]] = [
                 ("controller->worker", worker.sink, (payload,)),
                 ("worker->controller", worker.make, (n,)),
             ]

@@ -55,13 +55,18 @@ class Counter(Actor):
         raise ValueError(msg)
 
     @endpoint
-    async def fail_on(self, rank: int) -> int:
+    async def fail_on(self, rank: int, when_released: bool = False) -> int:
+        """Rank ``rank`` fails (once :meth:`release` d, if ``when_released``); the
+        others wait to be cancelled."""
         if current_rank().rank == rank:
+            if when_released:
+                await self.released.wait()
             raise RuntimeError(f"rank {rank} fails")
         await self._wait_cancelled()
         return -1
 
     async def _wait_cancelled(self) -> None:
+        self.started.set()
         try:
             await anyio.sleep_forever()
         finally:
@@ -133,6 +138,13 @@ class Counter(Actor):
         self.started.set()
         await self.released.wait()
         return current_rank().rank
+
+    @endpoint
+    async def hold(self) -> None:
+        """Keep the (serial) mailbox busy, the next requests queued, until a
+        :class:`Gate` in this process opens."""
+        self.started.set()
+        await _gate().wait()
 
     @endpoint(concurrent=True)
     def release(self) -> None:

@@ -11,7 +11,7 @@ import amesh
 from amesh import ActorError, ProcMesh
 from amesh._runtime._runtime import current_runtime
 
-from .actors import Counter
+from .actors import Counter, Gate
 
 pytestmark = pytest.mark.anyio
 
@@ -39,8 +39,14 @@ async def test_call_one_choose_stream_broadcast() -> None:
             assert await c.slice(procs=1).incr.call_one(2) == 2
             with pytest.raises(ValueError, match="exactly one rank"):
                 await c.incr.call_one(1)
-            chosen = await c.now.choose()
-            assert chosen in (0, 1, 2)
+            # choose takes the rank with the fewest calls in flight: 1, while 0 and 2
+            # each run one
+            async with anyio.create_task_group() as tg:
+                for busy in (0, 2):
+                    tg.start_soon(c.slice(procs=busy).hang_concurrent.call_one)
+                    await c.slice(procs=busy).wait_started.call_one()
+                assert await c.now.choose() == 1
+                tg.cancel_scope.cancel()
             seen = {point.rank: value async for point, value in c.get.stream()}
             assert seen == {0: 0, 1: 2, 2: 0}
             await c.incr.broadcast(10)
@@ -139,31 +145,43 @@ async def test_first_error_cancels_the_rest_of_the_call() -> None:
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 3}) as procs:
             c = await procs.spawn("c", Counter)
-            with pytest.raises(ActorError, match="rank 1 fails"):
-                await c.fail_on.call(1)
-            # Ranks 0 and 2 wait forever unless cancelled. Under serial dispatch this call
-            # could not even start on them otherwise. A rank whose request was still
-            # queued when the cancel came drops it without running it (count 0).
-            counts = await c.cancelled_count.call(timeout=20)
-            assert counts.item(procs=1) == 0
-            assert counts.item(procs=0) in (0, 1) and counts.item(procs=2) in (0, 1)
+
+            async def fail_once_the_others_run() -> None:
+                for other in (0, 2):
+                    await c.slice(procs=other).wait_started.call_one()
+                await c.slice(procs=1).release.call_one()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fail_once_the_others_run)
+                with pytest.raises(ActorError, match="rank 1 fails"):
+                    await c.fail_on.call(1, True)
+            # Ranks 0 and 2 were running and wait forever unless cancelled. Under serial
+            # dispatch this call could not even start on them otherwise.
+            counts = await c.cancelled_count.options(timeout=20).call()
+            assert counts.values() == [1, 0, 1]
 
 
-async def test_timeout_cancels_the_remote_handler() -> None:
+async def test_timeout_cancels_the_remote_request() -> None:
+    """A timed-out call is cancelled on the worker like one whose caller is cancelled
+    (a running handler: see the next test); queued, it is dropped unrun."""
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 1}) as procs:
             c = await procs.spawn("c", Counter)
-            with pytest.raises(TimeoutError):
-                await c.hang.call_one(timeout=0.2)
-            # serial dispatch: this returns only if the hanging handler was cancelled
-            # (count 1) or dropped from the queue before it ran (count 0)
-            assert await c.cancelled_count.call_one(timeout=20) in (0, 1)
-            with pytest.raises(TimeoutError):
-                async for _ in c.hang.stream(timeout=0.2):
-                    pass
-            assert await c.cancelled_count.call_one(timeout=20) in (0, 1, 2)
+            gate = await procs.spawn("gate", Gate)
+            # requests that time out while queued (behind a serial handler) are
+            # dropped unrun: had one run, it would hang, and the count would never come
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(c.hold.call_one)
+                await c.wait_started.call_one()
+                with pytest.raises(TimeoutError):
+                    await c.hang.options(timeout=0.2).call_one()
+                with pytest.raises(TimeoutError):
+                    async for _ in c.hang.options(timeout=0.2).stream():
+                        pass
+                await gate.open.call_one()
+            assert await c.cancelled_count.options(timeout=20).call_one() == 0
             with pytest.raises(ValueError):
-                await c.get.call(timeout=-1)
+                c.get.options(timeout=-1)
 
 
 async def test_cancelling_the_caller_cancels_a_running_handler() -> None:
@@ -175,7 +193,7 @@ async def test_cancelling_the_caller_cancels_a_running_handler() -> None:
                 await c.wait_started.call_one()  # the remote handler is running now
                 tg.cancel_scope.cancel()
             # the remote handler saw the cancellation and its `finally` ran
-            assert await c.cancelled_count.call_one(timeout=20) == 1
+            assert await c.cancelled_count.options(timeout=20).call_one() == 1
 
 
 async def test_lambdas_and_local_functions_travel_by_value() -> None:

@@ -26,7 +26,7 @@ from amesh import ProcMesh, _codec, _wire
 from amesh._runtime._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
 from amesh._transport import _stream_wire as wire
-from amesh.testing import child_pids
+from amesh.testing._leaks import child_pids
 
 from .actors import Counter
 from .test_spawn import facts

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from amesh import _codec
-from amesh.testing import LeakError, no_leaks, shm_files
+from amesh.testing import LeakError, no_leaks
+from amesh.testing._leaks import shm_files
 
 pytestmark = pytest.mark.timeout(60)
 

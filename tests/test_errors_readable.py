@@ -165,21 +165,21 @@ async def test_timeout_names_the_endpoint_and_the_ranks_that_did_not_answer() ->
             c = await procs.spawn("counters", Counter)
             await c.slice(procs=1).release.call_one()
             with pytest.raises(TimeoutError) as info:
-                await c.wait_released.call(timeout=0.5)
+                await c.wait_released.options(timeout=0.5).call()
             assert str(info.value) == (
                 "counters.wait_released: no answer within 0.5 s from ranks 0, 2 (of 3)"
             )
             assert info.value.__cause__ is None and info.value.__suppress_context__
             with pytest.raises(TimeoutError, match=r"^counters.wait_released: .* ranks 0, 2"):
-                async for _ in c.wait_released.stream(timeout=0.2):
+                async for _ in c.wait_released.options(timeout=0.2).stream():
                     pass
             # a slice names the ranks of the mesh
             with pytest.raises(
                 TimeoutError, match=r"^counters.wait_released: no answer within 0.2 s from rank 2$"
             ):
-                await c.slice(procs=2).wait_released.call_one(timeout=0.2)
+                await c.slice(procs=2).wait_released.options(timeout=0.2).call_one()
             with pytest.raises(TimeoutError, match=r"^counters\.hang: no answer within 0\.2 s"):
-                await c.hang.choose(timeout=0.2)
+                await c.hang.options(timeout=0.2).choose()
 
 
 @pytest.mark.anyio

@@ -23,6 +23,25 @@ def test_every_public_name_is_exported() -> None:
         assert getattr(obj, "__doc__", None), f"amesh.{name} has no docstring"
 
 
+def test_amesh_testing_exports_what_users_test_with() -> None:
+    import amesh.testing
+
+    expected = {
+        "FaultyTransport",
+        "InProcessHost",
+        "LeakError",
+        "MemoryTransport",
+        "no_leaks",
+        "open_runtime",
+    }
+    assert set(amesh.testing.__all__) == expected
+    public = {n for n in vars(amesh.testing) if not n.startswith("_")} - {"annotations"}
+    modules = {n for n in public if isinstance(getattr(amesh.testing, n), type(sys))}
+    assert public - modules == expected
+    for name in expected:
+        assert getattr(amesh.testing, name).__doc__, f"amesh.testing.{name} has no docstring"
+
+
 def test_import_does_not_pull_in_torch_or_trio() -> None:
     code = "import sys, amesh; print(sorted({'torch', 'trio'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

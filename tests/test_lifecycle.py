@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 import anyio
@@ -61,6 +62,31 @@ async def test_init_failure_raises_with_remote_traceback_and_leaves_nothing() ->
         assert cause.point == {"procs": 1, "rank": 1}
         for pid in pids:
             assert wait_pid_gone(pid, 0)
+
+
+class FailsOnRankOne(amesh.Actor):
+    def __init__(self) -> None:
+        if amesh.current_rank().rank == 1:
+            raise ValueError("bad init")
+
+
+async def test_init_failure_keeps_the_remote_traceback_of_init() -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            with pytest.raises(SupervisionError) as info:
+                await procs.spawn("bad", FailsOnRankOne)
+    cause = info.value.__cause__
+    assert isinstance(cause, amesh.ActorError)
+    assert str(cause) == "ValueError: bad init in actor 'bad' at procs=1, rank=1"
+    assert 'raise ValueError("bad init")' in cause.traceback
+    assert "test_lifecycle.py" in cause.traceback
+    # the remote traceback is chained, so it is printed with the error
+    remote = cause.__cause__
+    assert isinstance(remote, amesh.RemoteTraceback)
+    assert remote.text == cause.traceback
+    printed = "".join(traceback.format_exception(info.value))
+    assert 'raise ValueError("bad init")' in printed
+    assert "in __init__" in printed
 
 
 async def test_init_failure_can_be_caught_and_the_mesh_stays_usable() -> None:

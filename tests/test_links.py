@@ -156,11 +156,11 @@ async def test_broadcast_timeout() -> None:
             sent = 0
             with pytest.raises(TimeoutError, match="took no message"):
                 for i in range(5000):
-                    await sink.note.broadcast(i, timeout=0.5)
+                    await sink.note.options(timeout=0.5).broadcast(i)
                     sent += 1
             assert sent == rt.links.window - 1  # hold + notes fill the window
             await gate.open.call_one()
-            await sink.note.broadcast(sent, timeout=10)
+            await sink.note.options(timeout=10).broadcast(sent)
             got, _ = await sink.received.call_one()
             assert got == list(range(sent + 1))
 

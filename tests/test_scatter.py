@@ -244,6 +244,8 @@ async def test_scattered_call_errors_timeouts_and_cancels_as_any_call() -> None:
                 await m.fail_if.call(ValueMesh.of(m, [False, False, True, False]))
             assert err.value.point == {"x": 1, "y": 0, "rank": 2}
             with pytest.raises(TimeoutError):
-                await m.hang_unless.call(ValueMesh.of(m, [True, False, True, True]), timeout=0.5)
+                await m.hang_unless.options(timeout=0.5).call(
+                    ValueMesh.of(m, [True, False, True, True])
+                )
             # the rank that did not answer was cancelled there (a later call runs after)
             assert (await m.cancelled_count.call()).values() == [0, 1, 0, 0]

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from amesh import ProcMesh, _codec
-from amesh.testing import descendant_pids
+from amesh.testing._leaks import descendant_pids
 
 from .shm_debris_helper import MIB, Echo
 
@@ -193,7 +193,9 @@ async def test_late_replies_of_timed_out_calls_leave_no_segments(tmp_path: Path)
                 try:
                     with pytest.raises(TimeoutError):
                         # blocks until the gate exists, made only after the timeout
-                        await slow.big_when_released.call_one(str(gate), 8 * MIB, timeout=0.2)
+                        await slow.big_when_released.options(timeout=0.2).call_one(
+                            str(gate), 8 * MIB
+                        )
                 finally:
                     gate.touch()
                 # The worker runs one call at a time and its frames reach us in order:
@@ -212,11 +214,11 @@ async def test_abandoned_arguments_leave_no_segments(tmp_path: Path) -> None:
             gate = tmp_path / "gate"
             try:
                 with pytest.raises(TimeoutError):
-                    await busy.big_when_released.call_one(str(gate), 1, timeout=0.2)
+                    await busy.big_when_released.options(timeout=0.2).call_one(str(gate), 1)
                 # the worker's event loop is blocked until the gate opens: it cannot
                 # load this argument
                 with pytest.raises(TimeoutError):
-                    await busy.take.call_one(bytes(8 * MIB), timeout=0.2)
+                    await busy.take.options(timeout=0.2).call_one(bytes(8 * MIB))
                 assert job_segments() == set()
             finally:
                 gate.touch()

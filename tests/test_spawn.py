@@ -16,7 +16,7 @@ import pytest
 
 import amesh
 from amesh import Failure, ProcMesh, SupervisionError
-from amesh.testing import child_pids
+from amesh.testing._leaks import child_pids
 
 from .actors import Counter, Mortal
 from .test_lifecycle import wait_pid_gone

@@ -29,7 +29,7 @@ async def test_a_threaded_endpoint_sees_its_caller_give_up() -> None:
 
                 async def call() -> None:
                     with pytest.raises(TimeoutError):
-                        await s.until_cancelled.call_one(timeout=3600)
+                        await s.until_cancelled.options(timeout=3600).call_one()
                     gave_up.set()
 
                 with anyio.CancelScope() as scope:
@@ -54,7 +54,7 @@ async def test_a_sync_endpoint_on_the_loop_runs_to_the_end(tmp_path: Path) -> No
             rt = current_runtime()
             before = rt.statistics().replies_dropped
             with pytest.raises(TimeoutError):
-                await s.on_loop.call_one(str(go), 8 << 20, timeout=0.2)
+                await s.on_loop.options(timeout=0.2).call_one(str(go), 8 << 20)
             go.touch()
             # behind the late reply on the same link
             assert await s.serial_seen_cancel.call_one() is False

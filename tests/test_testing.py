@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import anyio
 import pytest
 
@@ -10,9 +13,12 @@ from amesh._transport import open_transport
 from amesh.testing import (
     FaultyTransport,
     InProcessHost,
+    LeakError,
     MemoryTransport,
+    no_leaks,
     open_runtime,
 )
+from amesh.testing._leaks import abstract_sockets
 
 from .actors import Counter, Mortal
 
@@ -86,11 +92,11 @@ async def test_faulty_transport_duplicates_run_once_and_drops_time_out() -> None
                 assert [s["duplicates_dropped"] for s in stats.values()] == [3, 3]
                 faulty.drop_inbound(kinds={"Reply"}, count=1)
                 with pytest.raises(TimeoutError):
-                    await c.slice(procs=0).get.call_one(timeout=0.5)
+                    await c.slice(procs=0).get.options(timeout=0.5).call_one()
                 assert await c.slice(procs=0).get.call_one() == 2  # the link still works
                 faulty.cut(procs._live().addrs[1])
                 with pytest.raises(TimeoutError):
-                    await c.slice(procs=1).get.call_one(timeout=0.5)
+                    await c.slice(procs=1).get.options(timeout=0.5).call_one()
                 faulty.heal()
                 assert await c.slice(procs=1).incr.call_one() == 3
                 assert faulty.dropped >= 2 and faulty.duplicated == 6
@@ -108,3 +114,24 @@ async def test_faulty_transport_delay_keeps_order() -> None:
                     await c.record.broadcast(i)
                 assert await c.seen_items.call_one() == list(range(6))
                 assert faulty.delayed == 3
+
+
+def test_no_leaks_catches_a_listening_abstract_socket_and_its_descriptor() -> None:
+    name = f"amesh-{os.getpid()}-leak-on-purpose"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with pytest.raises(LeakError, match=f"leaked listening abstract sockets.*{name}"):
+            with no_leaks():
+                sock.bind("\0" + name)
+                sock.listen(1)
+        assert f"@{name}" in abstract_sockets()
+    finally:
+        sock.close()
+    assert f"@{name}" not in abstract_sockets()
+    # a socket that never listens still holds a descriptor
+    with pytest.raises(LeakError, match=r"leaked socket descriptors \d+ -> socket:\["):
+        with no_leaks():
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.close()
+    with no_leaks():  # closed in the block: nothing to report
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()

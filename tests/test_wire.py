@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import msgspec
 import pytest
 from anyio.abc import TaskGroup
 
-from amesh import ProcMesh, _codec, _wire
+from amesh import ProcMesh, ProtocolError, _codec, _wire
 from amesh._proc_agent import AGENT_KEY
 from amesh._transport import open_transport
 
@@ -138,3 +140,28 @@ async def test_unknown_protocol_version_gets_a_clear_error() -> None:
             stats = _codec.loads(stats_reply.payload)
             assert stats["bad_version"] == 1
             assert await c.incr.call_one() == 1
+
+
+async def test_a_call_in_another_protocol_version_raises_protocol_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller's adverb raises the documented ProtocolError, naming both versions."""
+    encode = _wire.encode
+
+    def encode_get_as_v99(env: _wire.Envelope, buffers: list[Any] | None = None) -> _wire.Frame:
+        frame = _wire.join(encode(env, buffers))
+        if isinstance(env, _wire.Call) and env.method == "get":  # only this call
+            return frame[:2] + bytes([99]) + frame[3:]
+        return frame
+
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            c = await procs.spawn("c", Counter)
+            with monkeypatch.context() as patch:
+                patch.setattr(_wire, "encode", encode_get_as_v99)
+                with pytest.raises(ProtocolError) as info:
+                    await c.get.call_one()
+            assert "protocol version 99 is not supported" in str(info.value)
+            assert f"speaks version {_wire.VERSION}" in str(info.value)
+            assert str(info.value).startswith("c.get at ")
+            assert await c.incr.call_one() == 1  # the worker is fine

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
-from typing import Any, ClassVar, Generic, ParamSpec, TypeVar, overload
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 import anyio
 
@@ -29,7 +29,12 @@ R = TypeVar("R")
 
 
 class EndpointDescriptor(Generic[P, R]):
-    """An ``@endpoint`` method. On an actor instance it is the plain method."""
+    """An ``@endpoint`` method. On an actor instance it is the plain method.
+
+    Typed by the method's parameters after ``self`` (``P``) and what a call returns
+    (``R``; for an ``async def``, what it awaits to): a mesh's endpoint
+    (:class:`~amesh.MeshEndpoint`) carries them to its adverbs.
+    """
 
     def __init__(
         self, fn: Callable[..., Any], concurrent: bool = False, thread: bool = False
@@ -50,7 +55,11 @@ class EndpointDescriptor(Generic[P, R]):
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> EndpointDescriptor[P, R]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> Any: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
         if obj is None:
             return self
         return self.fn.__get__(obj, owner)
@@ -96,12 +105,23 @@ class EndpointDescriptor(Generic[P, R]):
             raise TypeError(f"endpoint {self.name}(): {exc}") from None
 
 
+class _EndpointDecorator(Protocol):
+    """What ``endpoint(concurrent=..., thread=...)`` returns: ``@endpoint`` itself."""
+
+    @overload
+    def __call__(
+        self, fn: Callable[Concatenate[Any, P], Awaitable[R]], /
+    ) -> EndpointDescriptor[P, R]: ...
+    @overload
+    def __call__(self, fn: Callable[Concatenate[Any, P], R], /) -> EndpointDescriptor[P, R]: ...
+
+
 @overload
-def endpoint(fn: Callable[P, R], /) -> EndpointDescriptor[P, R]: ...
+def endpoint(fn: Callable[Concatenate[Any, P], Awaitable[R]], /) -> EndpointDescriptor[P, R]: ...
 @overload
-def endpoint(
-    *, concurrent: bool = False, thread: bool = False
-) -> Callable[[Callable[P, R]], EndpointDescriptor[P, R]]: ...
+def endpoint(fn: Callable[Concatenate[Any, P], R], /) -> EndpointDescriptor[P, R]: ...
+@overload
+def endpoint(*, concurrent: bool = False, thread: bool = False) -> _EndpointDecorator: ...
 def endpoint(fn: Any = None, /, *, concurrent: bool = False, thread: bool = False) -> Any:
     """Mark an actor method as callable through a mesh.
 

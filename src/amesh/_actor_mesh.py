@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
 from ._endpoint import MeshEndpoint
 from ._runtime._runtime import Tree
@@ -13,11 +13,13 @@ from ._shape import Shape
 from ._value_mesh import MeshView
 
 if TYPE_CHECKING:
-    from ._actor import Actor
+    from ._actor import Actor, EndpointDescriptor
 
 __all__ = ["ActorMesh"]
 
 A = TypeVar("A", bound="Actor")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class MeshOwner(Protocol):
@@ -30,6 +32,11 @@ class MeshOwner(Protocol):
 
 class ActorMesh(MeshView, Generic[A]):
     """One actor per rank; endpoints are attributes: ``mesh.step.call(...)``.
+
+    Type checkers: with mypy's ``amesh.mypy`` plugin, ``mesh.step`` of an
+    ``ActorMesh[Trainer]`` is the :class:`MeshEndpoint` typed by ``Trainer.step``'s
+    signature. Without it (other checkers) it is untyped; ``mesh.endpoint(Trainer.step)``
+    is the same endpoint, typed everywhere.
 
     Actor meshes can be passed in messages; a received mesh can be called but not
     stopped (its owner keeps supervision).
@@ -99,7 +106,24 @@ class ActorMesh(MeshView, Generic[A]):
             return None
         return Tree(self._procs, dict(enumerate(self._shape.slots)), self._fanout, self._group)
 
-    def __getattr__(self, name: str) -> MeshEndpoint[Any]:
+    def endpoint(self, desc: EndpointDescriptor[P, R]) -> MeshEndpoint[P, R]:
+        """The endpoint ``desc`` of these actors, typed by its signature:
+        ``mesh.endpoint(Trainer.step)`` is ``mesh.step``.
+
+        Raises:
+            AttributeError: ``desc`` is not an endpoint of this mesh's actor class (as
+                it dispatches it: not one a subclass overrode).
+        """
+        eps = self.actor_class._amesh_endpoints
+        if eps.get(desc.name) is not desc:
+            raise AttributeError(
+                f"{getattr(desc.fn, '__qualname__', desc.name)} is not an endpoint of "
+                f"{self.actor_class.__qualname__} "
+                f"(endpoints: {', '.join(sorted(eps)) or 'none'})"
+            )
+        return MeshEndpoint(self, desc)
+
+    def __getattr__(self, name: str) -> MeshEndpoint[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
         eps = getattr(self.actor_class, "_amesh_endpoints", {})

@@ -6,12 +6,12 @@ import inspect
 import math
 import random
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 import anyio
 
 from . import _codec, _wire
-from ._errors import ActorError, DeadlockError, Failure, SupervisionError
+from ._errors import ActorError, DeadlockError, Failure, ProtocolError, SupervisionError
 from ._runtime._calls import rank_label
 from ._runtime._context import is_local
 from ._runtime._runtime import Payloads, Pending, Runtime, current_runtime
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MeshEndpoint"]
 
+P = ParamSpec("P")
 R = TypeVar("R")
 
 
@@ -45,8 +46,6 @@ _MAX_LISTED = 16
 def _deadline(timeout: float | None) -> _Deadline:
     if timeout is None:
         return _NO_DEADLINE
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0, got {timeout}")
     return _Deadline(anyio.current_time() + timeout, timeout)
 
 
@@ -133,8 +132,14 @@ def unpicklable(
     return TypeError(f"cannot pickle {what} of {where}: {why}")
 
 
-class MeshEndpoint(Generic[R]):
+class MeshEndpoint(Generic[P, R]):
     """One endpoint of an actor mesh (or a slice of one).
+
+    Typed by the endpoint's parameters (``P``, after ``self``) and result (``R``):
+    each adverb takes the endpoint's own arguments, so a type checker catches wrong
+    ones. Options of the adverbs themselves come from :meth:`options`
+    (``ep.options(timeout=5).call(x)``), so they never collide with an endpoint's
+    parameter of the same name.
 
     Per-rank arguments: an argument (positional or keyword) that is a
     :class:`ValueMesh` is scattered, so each rank gets only its own element, the one at
@@ -151,12 +156,32 @@ class MeshEndpoint(Generic[R]):
     and keeps its order.
     """
 
-    def __init__(self, mesh: ActorMesh[Any], desc: EndpointDescriptor[Any, R]) -> None:
+    __slots__ = ("_desc", "_mesh", "_timeout")
+
+    def __init__(
+        self, mesh: ActorMesh[Any], desc: EndpointDescriptor[P, R], timeout: float | None = None
+    ) -> None:
         self._mesh = mesh
         self._desc = desc
+        self._timeout = timeout
 
     def __repr__(self) -> str:
-        return f"<endpoint {self._mesh.name}.{self._desc.name} over {self._mesh.sizes}>"
+        timeout = "" if self._timeout is None else f" (timeout {self._timeout:g} s)"
+        return f"<endpoint {self._mesh.name}.{self._desc.name} over {self._mesh.sizes}{timeout}>"
+
+    def options(self, *, timeout: float | None = None) -> MeshEndpoint[P, R]:
+        """This endpoint with options for its adverbs: ``ep.options(timeout=5).call(x)``.
+
+        Args:
+            timeout: seconds an adverb waits before it raises ``TimeoutError`` (for
+                :meth:`broadcast`: waits on flow control); None waits for ever.
+
+        Raises:
+            ValueError: ``timeout`` is negative.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        return MeshEndpoint(self._mesh, self._desc, timeout)
 
     def _session_failure(self) -> Exception | None:
         """See :meth:`amesh.ProcMesh._session_failure` (a session's failed mesh)."""
@@ -289,6 +314,12 @@ class MeshEndpoint(Generic[R]):
                     f"{self._mesh.name}.{self._desc.name} at {where}: {value.message}",
                     [failure],
                 )
+            if value.type_name == "amesh.ProtocolError":
+                # the worker does not speak our protocol version: no actor ran
+                where = self._where(rank)[1]
+                raise ProtocolError(
+                    f"{self._mesh.name}.{self._desc.name} at {where}: {value.message}"
+                )
             cls = DeadlockError if value.type_name == "amesh.DeadlockError" else ActorError
             raise cls(value.type_name, value.message, value.traceback, self._mesh.name, point)
         if isinstance(value, SupervisionError):
@@ -323,7 +354,7 @@ class MeshEndpoint(Generic[R]):
             rt.close_call(pending, cancel=not done)
 
     @bridged
-    async def call(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh[R]:
+    async def call(self, *args: P.args, **kwargs: P.kwargs) -> ValueMesh[R]:
         """Call every rank; returns their results as a :class:`ValueMesh`.
 
         The first error cancels the rest of the call (locally and remotely). A
@@ -337,13 +368,13 @@ class MeshEndpoint(Generic[R]):
                 (nothing was sent).
             ActorError: an endpoint raised.
             SupervisionError: a rank's process or actor failed.
-            TimeoutError: ``timeout`` seconds passed; the message names the ranks that
-                did not answer.
+            TimeoutError: the timeout given to :meth:`options` passed; the message
+                names the ranks that did not answer.
         """
         mesh = self._mesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        deadline = _deadline(timeout)
+        deadline = _deadline(self._timeout)
         rt = current_runtime()
         shape = Shape(mesh.shape.labels, mesh.shape.sizes)
         results: list[Any] = [None] * len(shape)
@@ -356,7 +387,7 @@ class MeshEndpoint(Generic[R]):
         return ValueMesh(shape, results)
 
     @bridged
-    async def call_one(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
+    async def call_one(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call a mesh of exactly one rank and return its result.
 
         Raises:
@@ -372,7 +403,7 @@ class MeshEndpoint(Generic[R]):
         # the hot path: no generator, no ValueMesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        deadline = _deadline(timeout)
+        deadline = _deadline(self._timeout)
         rt = current_runtime()
         labels, sizes = mesh._wire_shape()
         pending = rt.open_call(mesh.key, targets, mesh._shape.slots)
@@ -389,13 +420,13 @@ class MeshEndpoint(Generic[R]):
             rt.close_call(pending, cancel=not done)
 
     @bridged
-    async def choose(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
+    async def choose(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call one rank: the one with the fewest calls in flight from this caller.
 
         It gets its own element of a scattered (:class:`ValueMesh`) argument.
         """
         self._desc.bind_check(args, kwargs)
-        deadline = _deadline(timeout)
+        deadline = _deadline(self._timeout)
         rt = current_runtime()
         mesh = self._mesh
         targets = mesh._targets()
@@ -416,24 +447,22 @@ class MeshEndpoint(Generic[R]):
             await gen.aclose()
         raise AssertionError("unreachable: a call to one rank yields once")
 
-    def stream(
-        self, *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> Stream[tuple[Point, R]]:
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> Stream[tuple[Point, R]]:
         """Call every rank and yield ``(point, result)`` in arrival order: ``async for
         point, value in ep.stream(...)`` (or a plain ``for`` in synchronous code).
 
         Leaving the loop early cancels the ranks that have not answered. Arguments are
         scattered as for :meth:`call`.
         """
-        return Stream(lambda: self._stream(args, timeout, kwargs))
+        return Stream(lambda: self._stream(args, kwargs))
 
     async def _stream(
-        self, args: tuple[Any, ...], timeout: float | None, kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> AsyncGenerator[tuple[Point, R], None]:
         mesh = self._mesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        deadline = _deadline(timeout)
+        deadline = _deadline(self._timeout)
         rt = current_runtime()
         shape = Shape(mesh.shape.labels, mesh.shape.sizes)
         gen = self._gather(rt, targets, shape, payload, deadline)
@@ -444,7 +473,7 @@ class MeshEndpoint(Generic[R]):
             await gen.aclose()
 
     @bridged
-    async def broadcast(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
+    async def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Send to every rank without waiting for results.
 
         Returns once the messages are handed to the transport (back-pressure: it
@@ -455,11 +484,11 @@ class MeshEndpoint(Generic[R]):
         Raises:
             ValueError: a ValueMesh argument does not have the mesh's shape (nothing
                 was sent).
-            TimeoutError: flow control held the broadcast for ``timeout`` seconds;
-                ranks already handed the message keep it.
+            TimeoutError: flow control held the broadcast for the timeout given to
+                :meth:`options`; ranks already handed the message keep it.
             SupervisionError: a rank of the mesh is known to be dead.
         """
-        deadline = _deadline(timeout)
+        deadline = _deadline(self._timeout)
         mesh = self._mesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets, shm=False)

@@ -274,7 +274,7 @@ class MeshMachine(RuleBasedStateMachine):
         view = mesh.slice(x=rank)
         expected = SupervisionError if rank in self.killed else TimeoutError
         with pytest.raises(expected):
-            self.run(lambda: view.hang.call_one(timeout=0.05))
+            self.run(lambda: view.hang.options(timeout=0.05).call_one())
 
     # -- several tasks of the owner at once -----------------------------------------------
 

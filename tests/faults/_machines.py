@@ -239,7 +239,7 @@ class RelayTree(InProcessWorkers):
         assert kind == "SupervisionError", (kind, message)
         self.wait_reported()
         try:
-            got = self.run(lambda: mesh.slice(x=2).peek.call_one(timeout=5.0))
+            got = self.run(lambda: mesh.slice(x=2).peek.options(timeout=5.0).call_one())
         except TimeoutError:
             raise AssertionError("rank 2 still runs the call its relay's death ended") from None
         assert got == (2, self.model[mesh.key][2])
@@ -330,7 +330,7 @@ class FaultyLinks(InProcessWorkers):
         self.faulty.drop(kinds={"Call"}, count=1)
         dropped = self.faulty.dropped
         with pytest.raises(TimeoutError):
-            self.run(lambda: mesh.slice(x=rank).bump.call_one(timeout=0.1))
+            self.run(lambda: mesh.slice(x=rank).bump.options(timeout=0.1).call_one())
         assert self.faulty.dropped == dropped + 1
         self.faults()
         self.check_counts(rank)  # it did not run, and later calls work
@@ -344,7 +344,7 @@ class FaultyLinks(InProcessWorkers):
         self.faulty.drop_inbound(kinds={"Reply"}, count=1)
         dropped = self.faulty.dropped
         with pytest.raises(TimeoutError):
-            self.run(lambda: mesh.slice(x=rank).bump.call_one(timeout=0.1))
+            self.run(lambda: mesh.slice(x=rank).bump.options(timeout=0.1).call_one())
         assert self.faulty.dropped == dropped + 1
         self.model[mesh.key][rank] += 1  # it ran; only its answer was lost
         self.faults()

@@ -52,7 +52,7 @@ async def ask(
     async def one(i: int, rank: int) -> None:
         agent = ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, Shape(["procs"], [1], [rank]), addrs)
         try:
-            answers[i] = await getattr(agent, method).call_one(timeout=ASK_TIMEOUT)
+            answers[i] = await getattr(agent, method).options(timeout=ASK_TIMEOUT).call_one()
         except Exception as exc:  # a dead or busy worker: say so, go on with the others
             answers[i] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
 
@@ -130,5 +130,7 @@ async def recent_logs(key: str, mesh: dict[str, Any], n: int) -> list[str]:
         CONTROLLER_KEY, CONTROLLER_KEY, ControllerAgent, Shape(["procs"], [1]), [mesh["controller"]]
     )
     async with open_runtime(lambda: _transport_for(mesh)):
-        lines: list[str] = await controller.logs.call_one(mesh["name"], n, timeout=ASK_TIMEOUT)
+        lines: list[str] = await controller.logs.options(timeout=ASK_TIMEOUT).call_one(
+            mesh["name"], n
+        )
     return lines

@@ -178,7 +178,9 @@ class _AgentDebugger:
         )
 
     async def sessions(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = await self._agent.debug_sessions.call_one(timeout=5.0)
+        found: list[dict[str, Any]] = await self._agent.debug_sessions.options(
+            timeout=5.0
+        ).call_one()
         return found
 
     async def open(self, ident: int) -> int | None:
@@ -369,7 +371,7 @@ async def attach(
     mesh = ActorMesh(
         "hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": len(agents)}), agents, 0
     )
-    infos = list((await mesh.info.call(timeout=timeout)).values())
+    infos = list((await mesh.info.options(timeout=timeout).call()).values())
     _lease(rt, agents)
     return HostMesh(mesh, infos)
 
@@ -381,7 +383,7 @@ async def _answers(addr: str) -> bool:
     """Whether a host agent answers at ``addr`` (quickly: it is on this machine)."""
     mesh = ActorMesh("hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": 1}), [addr], 0)
     try:
-        await mesh.info.call_one(timeout=5.0)
+        await mesh.info.options(timeout=5.0).call_one()
     except (SupervisionError, TimeoutError) as exc:
         log.info("no local agent at %s: %s", addr, exc)
         return False

@@ -282,10 +282,13 @@ class Lifecycle:
         except ActorError as exc:
             # name the failing rank in the actor mesh, not in the agents' view
             rank = ranks[int(exc.point.get("rank", 0))]
-            raise ActorError(
+            err = ActorError(
                 exc.type_name,
                 exc.message,
                 exc.traceback,
                 mesh.name,
                 {**shape.coords(rank), "rank": rank},
-            ) from None
+            )
+            # chained to the remote traceback (what ``from None`` would drop), not to
+            # the agents' view of the same error
+            raise err from err.__cause__
