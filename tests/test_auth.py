@@ -275,9 +275,10 @@ async def test_refusals_are_counted_and_logged_sparingly(
 
 
 async def test_a_silent_peer_is_dropped_at_the_handshake_deadline(
-    listener: StreamTransport, monkeypatch: pytest.MonkeyPatch
+    listener: StreamTransport, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A peer that never answers is closed after the handshake deadline."""
+    """A peer that never answers is closed, for that reason, once the handshake
+    deadline has passed."""
     monkeypatch.setattr("amesh._transport._stream_io.HANDSHAKE_TIMEOUT", 0.2)
     family, sockaddr = wire.parse_address(listener.address)
     with anyio.fail_after(30):
@@ -285,11 +286,11 @@ async def test_a_silent_peer_is_dropped_at_the_handshake_deadline(
             tg.start_soon(listener.serve, Inbox().deliver)
             with socket.socket(family, socket.SOCK_STREAM) as sock:
                 sock.connect(sockaddr)
-                start = anyio.current_time()
                 await wait_closed(sock)
-                assert anyio.current_time() - start >= 0.15  # loop clocks round
             tg.cancel_scope.cancel()
     assert listener.statistics().auth_refused == 1
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 1 and "no handshake within 0.2 s" in refused[0], refused
 
 
 def stranger_uid_connects(sockaddr: str, data: bytes, nng: bool) -> str:
