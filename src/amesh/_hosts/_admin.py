@@ -21,7 +21,7 @@ from .._transport._stream import StreamTransport
 from ._agent import address_towards
 from ._home import local_key
 from ._live import ask, describe_live, find, live_meshes, recent_logs
-from ._remote import _agent_address, attach, held_meshes, local_hosts
+from ._remote import _agent_address, find_held, held_meshes
 
 __all__ = ["describe", "main"]
 
@@ -80,17 +80,7 @@ async def _stacks(name: str, rank: int | None, pid: int | None) -> int:
 
 
 async def _stop(name: str, hosts: Sequence[str] | None, key_file: str | None) -> int:
-    mesh = (
-        await local_hosts(start=False) if hosts is None else await attach(hosts, key_file=key_file)
-    )
-    held = await held_meshes(mesh) if mesh is not None else {}
-    record = held.get(name)
-    if mesh is None or record is None:
-        print(f"amesh stop: no persistent mesh named {name!r}", file=sys.stderr)
-        return 1
-    agents = list(record["agents"])
-    if [i["addr"] for i in mesh.hosts] != agents:
-        mesh = await attach(agents, key_file=key_file, _local=hosts is None)
+    mesh, _ = await find_held(name, hosts, key_file)
     stopped = await mesh._agents.stop_mesh.call(name)
     print(f"stopped {name}: {sum(stopped.values())} process(es)")
     return 0

@@ -443,6 +443,28 @@ async def held_meshes(
     return found
 
 
+async def find_held(
+    name: str, hosts: HostMesh | Sequence[str] | None, key_file: str | None
+) -> tuple[HostMesh, dict[str, Any]]:
+    """The agents of every host of persistent mesh ``name`` (asked first: those of
+    ``hosts``, see :func:`attach_mesh`), and its record.
+
+    Raises:
+        LookupError: they keep no such mesh.
+    """
+    mesh = await _hosts_of(hosts, key_file)
+    held = await held_meshes(mesh) if mesh is not None else {}
+    record = held.get(name)
+    if record is None or mesh is None:
+        where = "on this machine" if hosts is None else f"on {mesh!r}"
+        known = ", ".join(sorted(held)) or "none"
+        raise LookupError(f"no persistent mesh named {name!r} {where} (there are: {known})")
+    agents = list(record["agents"])
+    if [i["addr"] for i in mesh.hosts] != agents:
+        mesh = await attach(agents, key_file=key_file, _local=hosts is None)
+    return mesh, record
+
+
 @bridged
 async def attach_mesh(
     name: str,
@@ -471,16 +493,7 @@ async def attach_mesh(
         SupervisionError: a process of the mesh is gone (it is reported the way a
             failure of a running mesh is).
     """
-    mesh = await _hosts_of(hosts, key_file)
-    held = await held_meshes(mesh) if mesh is not None else {}
-    record = held.get(name)
-    if record is None or mesh is None:
-        where = "on this machine" if hosts is None else f"on {mesh!r}"
-        known = ", ".join(sorted(held)) or "none"
-        raise LookupError(f"no persistent mesh named {name!r} {where} (there are: {known})")
-    agents = list(record["agents"])
-    if [i["addr"] for i in mesh.hosts] != agents:
-        mesh = await attach(agents, key_file=key_file, _local=hosts is None)
+    mesh, record = await find_held(name, hosts, key_file)
     per_host = int(record["per_host"])
     placement = _Placement(mesh, per_host, name)
     procs = ProcMesh(

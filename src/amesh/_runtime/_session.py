@@ -68,6 +68,7 @@ class _Session:
         self._stop: asyncio.Event | None = None
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._registered = False
 
     def start(self) -> asyncio.AbstractEventLoop:
         """The session's loop, started on first use."""
@@ -83,7 +84,9 @@ class _Session:
             ready.wait()
             if self._error is not None:
                 raise RuntimeError(f"the amesh session could not start: {self._error}")
-            atexit.register(self.close)
+            if not self._registered:  # (after the transport's own atexit: runs first)
+                atexit.register(self.close)
+                self._registered = True
             assert self.loop is not None
             return self.loop
 
