@@ -11,5 +11,7 @@ echo "== mypy"
 mypy
 echo "== layers (import-linter, see [tool.importlinter] in pyproject.toml)"
 lint-imports --no-logo
+echo "== docs (mkdocs.yml, strict: a broken link or reference fails)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir site
 echo "== pytest"
 python -m pytest "$@"

@@ -18,6 +18,8 @@ from ._actor import current_rank as current_rank
 from ._actor import current_size as current_size
 from ._actor import endpoint as endpoint
 from ._actor_mesh import ActorMesh as ActorMesh
+from ._config import ConfigError as ConfigError
+from ._config import configure as configure
 from ._debug import debug as debug
 from ._endpoint import MeshEndpoint as MeshEndpoint
 from ._errors import ActorError as ActorError
@@ -47,6 +49,7 @@ __all__ = [
     "Actor",
     "ActorError",
     "ActorMesh",
+    "ConfigError",
     "DeadlockError",
     "Failure",
     "HostMesh",
@@ -66,6 +69,7 @@ __all__ = [
     "attach",
     "attach_mesh",
     "cancelled",
+    "configure",
     "current_actor",
     "current_rank",
     "current_size",

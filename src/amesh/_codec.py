@@ -67,6 +67,7 @@ from typing import Any
 import cloudpickle
 
 from ._codec_tensor import reduce_tensor
+from ._config import settings
 from ._transport._auth import job_key
 
 __all__ = [
@@ -383,7 +384,7 @@ def loads(data: bytes | memoryview, buffers: Sequence[memoryview] = ()) -> Any:
 
 def shm_dir() -> str:
     """Where segments go: ``AMESH_SHM_DIR``, else ``/dev/shm``."""
-    return os.environ.get("AMESH_SHM_DIR") or "/dev/shm"
+    return settings().shm_dir or "/dev/shm"
 
 
 def shm_threshold() -> int:
@@ -392,10 +393,9 @@ def shm_threshold() -> int:
     ``AMESH_SHM_THRESHOLD`` if set, else :data:`SHM_THRESHOLD`; at least 64 KiB.
 
     Raises:
-        ValueError: ``AMESH_SHM_THRESHOLD`` is not an integer.
+        ConfigError: ``AMESH_SHM_THRESHOLD`` is not an integer >= 0.
     """
-    value = os.environ.get("AMESH_SHM_THRESHOLD")
-    return max(int(value) if value else SHM_THRESHOLD, _DIRECT)
+    return max(settings().shm_threshold, _DIRECT)
 
 
 _counter = count()

@@ -1,58 +1,395 @@
-"""Settings read from the environment (``AMESH_*``)."""
+"""amesh's settings: one definition, read from the environment (``AMESH_*``) or given
+in code (:func:`configure`), validated in one place.
+
+:class:`Settings` has one field per user-facing setting; its variable is ``AMESH_``
+and the field's name in capitals. :func:`settings` parses the environment at first
+use and again only when one of those variables changes (a test's ``monkeypatch``, a
+zygote's child taking its own environment); values given to :func:`configure` win over
+the environment, and :func:`exported` hands them to the worker processes, which read
+their own environment. A bad value raises :class:`ConfigError`, which names the
+variable (or the setting) and the value.
+
+Some ``AMESH_*`` variables are amesh's own plumbing, set for its children
+(:data:`INTERNAL`): they are not settings, and :func:`take_internal` reads them.
+
+:func:`table` is the table of ``docs/guides/configuration.md``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
 import os
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["debug", "default_fanout", "default_transport", "env_float", "loop_options"]
+__all__ = [
+    "INTERNAL",
+    "ConfigError",
+    "Settings",
+    "configure",
+    "debug",
+    "default_transport",
+    "exported",
+    "loop_options",
+    "reset",
+    "settings",
+    "table",
+    "take_internal",
+]
+
+#: Variables amesh sets for its own children, never settings of a user.
+INTERNAL = (
+    "AMESH_DEBUG_LISTENER",
+    "AMESH_OUTPUT_LABEL",
+    "AMESH_OUTPUT_RANK",
+    "AMESH_WORKER_BACKEND",
+    "AMESH_ZYGOTE_BOOT",
+)
+
+_MIB = 1 << 20
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+#: the standard library's levels; "": each process its own default
+_LEVELS = ("", "CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+class ConfigError(ValueError):
+    """An amesh setting (an ``AMESH_*`` variable or a :func:`amesh.configure`
+    argument) has a value it cannot take; the message names both."""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What one setting accepts, beyond its type."""
+
+    doc: str
+    minimum: float | None = None
+    #: values below ``minimum`` are refused; above ``above`` only (exclusive)
+    above: float | None = None
+    choices: tuple[str, ...] = ()
+    #: a check of its own, and what it says (``"0 or an integer >= 2"``)
+    check: Callable[[Any], bool] | None = None
+    says: str = ""
+    #: the default as the table shows it, when not the value itself
+    shown: str = ""
+
+
+def _setting(default: Any, doc: str, **rule: Any) -> Any:
+    return field(default=default, metadata={"rule": _Rule(doc, **rule)})
+
+
+def _fanout_ok(n: int) -> bool:
+    return n == 0 or n >= 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective settings of this process (see :func:`settings`)."""
+
+    transport: str = _setting(
+        "",
+        "How processes talk: `auto` (abstract sockets on Linux, else ipc; one host), "
+        "`abstract`, `ipc`, `tcp` (= `tls+tcp`: TLS between hosts, streams within one) "
+        "or `stream+tcp` (plain streams, authenticated by the job key, not encrypted); "
+        "`stream+abstract`, `stream+ipc`: streams whatever `AMESH_TRANSPORT_IMPL` says.",
+        choices=(
+            "",
+            "auto",
+            "abstract",
+            "ipc",
+            "tcp",
+            "tls+tcp",
+            "stream+tcp",
+            "stream+abstract",
+            "stream+ipc",
+        ),
+        shown="`auto` (`tcp` when `AMESH_HOST` is set)",
+    )
+    host: str = _setting(
+        "",
+        "The address the controller listens on for tcp (its address on the network "
+        "other machines reach).",
+        shown="`127.0.0.1`",
+    )
+    transport_impl: str = _setting(
+        "stream",
+        "What carries the frames: `stream` (event-loop sockets), `ext` (NNG through "
+        "the C extension) or `nng` (pure pynng).",
+        choices=("stream", "ext", "nng"),
+    )
+    fanout: int = _setting(
+        16,
+        "Calls and broadcasts to more processes than this go down a relay tree with "
+        "this fan-out; 0: every rank directly (`ProcMesh(fanout=)`).",
+        check=_fanout_ok,
+        says="0 (no relay tree) or an integer >= 2",
+    )
+    heartbeat_period: float = _setting(
+        0.5, "Seconds between a worker's heartbeats (`ProcMesh(heartbeat_period=)`).", above=0
+    )
+    heartbeat_timeout: float = _setting(
+        5.0,
+        "A worker silent this many seconds is declared failed and killed "
+        "(`ProcMesh(heartbeat_timeout=)`); more than the period.",
+        above=0,
+    )
+    send_window: int = _setting(
+        1024,
+        "Messages one sender may have waiting in one actor's mailbox before it waits "
+        "(at least 2 x the credit batch of 32).",
+        minimum=64,
+    )
+    send_window_bytes: int = _setting(
+        256 * _MIB,
+        "Bytes one sender may have waiting in one actor's mailbox (at least 16 MiB).",
+        minimum=16 * _MIB,
+        shown="`268435456` (256 MiB)",
+    )
+    shm_threshold: int = _setting(
+        _MIB,
+        "With `shm=True`, buffers of this many bytes or more go through shared memory "
+        "(below 64 KiB counts as 64 KiB).",
+        minimum=0,
+        shown="`1048576` (1 MiB)",
+    )
+    shm_dir: str = _setting("/dev/shm", "Where shared-memory segments go.", shown="`/dev/shm`")
+    ipc_dir: str = _setting("", "Where `ipc://` socket files go.", shown="`$TMPDIR/amesh-<uid>`")
+    state_dir: str = _setting(
+        "",
+        "The local agent's files, the registry of live meshes and the key of persistent meshes.",
+        shown="`~/.cache/amesh`",
+    )
+    jobs_dir: str = _setting("", "Where Slurm jobs are recorded.", shown="`~/.cache/amesh/jobs`")
+    key_file: str = _setting(
+        "",
+        "The job key (from `amesh keygen`).",
+        shown="a fresh key per controller",
+    )
+    tls_ca: str = _setting(
+        "",
+        "The CA file(s) of `tls+tcp` links; with `AMESH_TLS_CERT` and `AMESH_TLS_KEY`, "
+        "all three or none.",
+        shown="certificates derived from the job key",
+    )
+    tls_cert: str = _setting("", "This process's certificate (chain) file, PEM.", shown="-")
+    tls_key: str = _setting("", "The private key file of `AMESH_TLS_CERT`, PEM.", shown="-")
+    tls_server_name: str = _setting("amesh", "The name dialers check in a listener's certificate.")
+    local_agent_idle: float = _setting(
+        30.0,
+        "Seconds the local agent lives on without workers or controllers; "
+        "0: it never exits by itself.",
+        minimum=0,
+    )
+    debug: bool = _setting(
+        False, "Remote tracebacks keep amesh's own frames (which they leave out)."
+    )
+    backend: str = _setting(
+        "asyncio", "The event loop of `amesh.run`.", choices=("asyncio", "trio")
+    )
+    zygote: bool = _setting(
+        True,
+        "Fork workers from a zygote, which has done the imports already (Linux); "
+        "off: exec each worker fresh.",
+    )
+    log_level: str = _setting(
+        "",
+        "The logging level of workers and host agents.",
+        choices=_LEVELS,
+        shown="`WARNING` (workers), `INFO` (host agents)",
+    )
+    output: str = _setting(
+        "folded",
+        "What becomes of the workers' output: `folded`, `raw` or `off` (`ProcMesh(output=)`).",
+        choices=("folded", "raw", "off"),
+    )
+
+
+def _var(name: str) -> str:
+    return "AMESH_" + name.upper()
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_TYPES: dict[str, type] = {name: typing.get_type_hints(Settings)[name] for name in _FIELDS}
+_VARS = tuple(_var(name) for name in _FIELDS)
+
+
+def _rule(name: str) -> _Rule:
+    rule: _Rule = _FIELDS[name].metadata["rule"]
+    return rule
+
+
+def _says(name: str) -> str:
+    """What ``name`` accepts, in words (``"an integer >= 64"``)."""
+    rule, kind = _rule(name), _TYPES[name]
+    if rule.says:
+        return rule.says
+    if rule.choices:
+        return "one of " + ", ".join(repr(c) for c in rule.choices if c)
+    if kind is bool:
+        return "a boolean (1/0, true/false, yes/no, on/off)"
+    noun = {int: "an integer", float: "a number", str: "a string"}[kind]
+    if rule.above is not None:
+        return f"{noun} > {rule.above:g}"
+    if rule.minimum is not None:
+        return f"{noun} >= {int(rule.minimum) if kind is int else f'{rule.minimum:g}'}"
+    return noun
+
+
+def _valid(name: str, value: Any) -> bool:
+    rule = _rule(name)
+    if rule.choices and value not in rule.choices:
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if rule.minimum is not None and value < rule.minimum:
+        return False
+    if rule.above is not None and value <= rule.above:
+        return False
+    return rule.check is None or rule.check(value)
+
+
+def _normal(name: str, text: str) -> str:
+    """A string setting as amesh compares it (logging levels in capitals)."""
+    return text.upper() if name == "log_level" else text
+
+
+def _parse(name: str, raw: str) -> Any:
+    """The value of setting ``name`` that its variable's text ``raw`` gives.
+
+    Raises:
+        ConfigError: it is not one ``name`` takes.
+    """
+    kind, text = _TYPES[name], raw.strip()
+    value: Any = None
+    if kind is bool:
+        if text.lower() in _TRUE + _FALSE:
+            value = text.lower() in _TRUE
+    elif kind is str:
+        value = _normal(name, raw)
+    else:
+        with contextlib.suppress(ValueError):
+            value = kind(text)
+    if value is None or not _valid(name, value):
+        raise ConfigError(f"{_var(name)} must be {_says(name)}, not {raw!r}")
+    return value
+
+
+def _check(name: str, value: Any) -> Any:
+    """``value`` given in code for setting ``name``, validated (a path becomes a str).
+
+    Raises:
+        ConfigError: it is not one ``name`` takes.
+    """
+    kind, given = _TYPES[name], value
+    if kind is str and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if kind is str and isinstance(value, str):
+        value = _normal(name, value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    typed = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not typed or not _valid(name, value):
+        raise ConfigError(f"{name} ({_var(name)}) must be {_says(name)}, not {given!r}")
+    return value
+
+
+def _text(value: Any) -> str:
+    """A value as its variable holds it."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+_overrides: dict[str, Any] = {}
+_cache: tuple[tuple[str | None, ...], Settings] | None = None
+
+
+def settings() -> Settings:
+    """This process's settings: its ``AMESH_*`` variables, parsed at first use (and
+    again when one changes), under those given to :func:`configure`.
+
+    Raises:
+        ConfigError: a variable has a bad value.
+    """
+    global _cache
+    seen = tuple(map(os.environ.get, _VARS))
+    if _cache is not None and _cache[0] == seen:
+        return _cache[1]
+    values = {
+        name: _parse(name, raw)
+        for name, raw in zip(_FIELDS, seen)
+        if raw and name not in _overrides
+    }
+    current = Settings(**values, **_overrides)
+    _cache = (seen, current)
+    return current
+
+
+def configure(**values: Any) -> None:
+    """Set amesh settings in code, e.g. ``amesh.configure(fanout=4)``: they win over
+    the environment here and reach the worker processes started afterwards (a
+    ProcMesh's ``env=`` and its own arguments win over them). ``None`` gives a setting
+    back to the environment. Call it before starting meshes. The settings are the
+    fields of :class:`Settings` (``docs/guides/configuration.md``).
+
+    Raises:
+        ConfigError: an unknown setting, or a value it cannot take (nothing is set).
+    """
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"no amesh setting {', '.join(unknown)}; the settings are: {', '.join(_FIELDS)}"
+        )
+    checked = {name: _check(name, v) for name, v in values.items() if v is not None}
+    for name, value in values.items():
+        if value is None:
+            _overrides.pop(name, None)
+    _overrides.update(checked)
+    reset(overrides=False)
+
+
+def reset(*, overrides: bool = True) -> None:
+    """Forget the parsed settings (the next :func:`settings` reads the environment),
+    and unless not ``overrides``, those given to :func:`configure` (for tests)."""
+    global _cache
+    _cache = None
+    if overrides:
+        _overrides.clear()
+
+
+def exported() -> dict[str, str]:
+    """The settings given to :func:`configure`, as the variables of a worker's
+    environment."""
+    return {_var(name): _text(value) for name, value in _overrides.items()}
+
+
+def take_internal(var: str, *, keep: bool = False) -> str:
+    """Variable ``var`` of :data:`INTERNAL`, which amesh set for this process ("" when
+    unset), removed from the environment (not passed on to children) unless ``keep``."""
+    if var not in INTERNAL:
+        raise KeyError(f"{var} is not one of amesh's own variables")
+    return os.environ.get(var, "") if keep else os.environ.pop(var, "")
 
 
 def default_transport() -> tuple[str, str]:
     """``(scheme, host)`` from ``AMESH_TRANSPORT`` and ``AMESH_HOST`` (default
-    127.0.0.1).
-
-    ``AMESH_TRANSPORT`` is ``auto`` (the default without ``AMESH_HOST``: abstract
-    sockets on Linux, else ipc; one host only), ``abstract``, ``ipc``, ``tcp``
-    (encrypted between hosts: NNG over TLS with certificates of the job, and event-loop
-    streams within a host; ``tls+tcp`` is the same; the default when ``AMESH_HOST`` is
-    set) or ``stream+tcp`` (plain event-loop streams over tcp: authenticated by the
-    job key, not encrypted). See :func:`amesh._transport.open_transport`.
-    """
-    host = os.environ.get("AMESH_HOST", "")
+    127.0.0.1): ``auto`` without a host, ``tcp`` (encrypted between hosts) with one.
+    See :func:`amesh._transport.open_transport`."""
+    s = settings()
     # an address given for other machines to reach: tcp (encrypted between hosts)
-    scheme = os.environ.get("AMESH_TRANSPORT", "") or ("tcp" if host else "auto")
-    return scheme, host or "127.0.0.1"
-
-
-def default_fanout() -> int:
-    """``AMESH_FANOUT`` (default 16; 0: no relay tree)."""
-    raw = os.environ.get("AMESH_FANOUT", "16")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"AMESH_FANOUT must be an integer, not {raw!r}") from None
-
-
-def env_float(name: str, default: float) -> float:
-    """A float setting; ``default`` when unset or empty.
-
-    Raises:
-        ValueError: the variable is not a number.
-    """
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, not {raw!r}") from None
+    return s.transport or ("tcp" if s.host else "auto"), s.host or "127.0.0.1"
 
 
 def debug() -> bool:
-    """``AMESH_DEBUG`` (set and not ``0``): remote tracebacks keep amesh's own frames,
-    which they leave out by default. A worker reads its own environment: a local one
-    inherits the controller's; set it for remote ones with ``ProcMesh(env=...)``."""
-    return os.environ.get("AMESH_DEBUG", "0") not in ("", "0")
+    """``AMESH_DEBUG``: remote tracebacks keep amesh's own frames, which they leave out
+    by default. A worker reads its own environment: a local one inherits the
+    controller's (and :func:`configure`'s); set it for remote ones with
+    ``ProcMesh(env=...)`` or :func:`configure`."""
+    return settings().debug
 
 
 def loop_options(backend: str) -> dict[str, object]:
@@ -64,3 +401,19 @@ def loop_options(backend: str) -> dict[str, object]:
     except ImportError:
         return {}
     return {"use_uvloop": True}
+
+
+def table() -> str:
+    """The Markdown table of the settings: variable, type, default, meaning."""
+    rows = ["| Variable | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
+    for name, f in _FIELDS.items():
+        rule = _rule(name)
+        default = rule.shown or f"`{_text(f.default)}`"
+        if rule.choices:
+            accepts = " \\| ".join(f"`{c}`" for c in rule.choices if c)
+        else:
+            accepts = (
+                _says(name).replace(" (no relay tree)", "").removeprefix("a ").removeprefix("an ")
+            )
+        rows.append(f"| `{_var(name)}` | {accepts} | {default} | {rule.doc} |")
+    return "\n".join(rows) + "\n"

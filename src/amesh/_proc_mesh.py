@@ -40,7 +40,7 @@ from anyio.abc import TaskGroup
 from . import _codec, _reload
 from ._actor import Actor
 from ._actor_mesh import ActorMesh
-from ._config import default_fanout, default_transport, env_float
+from ._config import default_transport, settings
 from ._endpoint import unpicklable
 from ._errors import ActorError, Failure, SupervisionError
 from ._mesh import _registry
@@ -76,12 +76,14 @@ class ProcMesh(MeshView):
 
     Enter it (``async with``) for a supervision scope, or ``await`` it inside an actor
     for a mesh that the actor owns. Starting launches the processes concurrently.
-    Slicing gives views that share the processes.
+    Slicing gives views that share the processes. Arguments left None take amesh's
+    settings (:func:`amesh.configure`, else ``AMESH_*``; docs/guides/configuration.md).
 
     Args:
         per_host: ``{dim: size}`` of processes on the host.
         host: where the processes run; this machine by default.
-        env: extra environment variables for the workers.
+        env: extra environment variables for the workers (over the settings given to
+            :func:`amesh.configure`, which they get too).
         supervise: called with each :class:`~amesh.Failure` of this mesh (sync or
             async); return True when handled. Without it, failures go to the owning
             actor's ``__supervise__``, or escalate.
@@ -149,7 +151,8 @@ class ProcMesh(MeshView):
         self.name = name
         self._persistent = persistent
         self._detacher: _Detacher | None = None
-        self._fanout = default_fanout() if fanout is None else fanout
+        config = settings()
+        self._fanout = config.fanout if fanout is None else fanout
         if self._fanout < 0 or self._fanout == 1:
             raise ValueError(f"fanout must be 0 (no tree) or at least 2, got {self._fanout}")
         self._shape = Shape.from_sizes(per_host if per_host is not None else {"procs": 1})
@@ -158,10 +161,15 @@ class ProcMesh(MeshView):
         self._group: int = getattr(self._host, "per_host", 0)
         self._env = dict(env or {})
         self._supervise = supervise
-        self._hb_period = heartbeat_period or env_float("AMESH_HEARTBEAT_PERIOD", 0.5)
-        self._hb_timeout = heartbeat_timeout or env_float("AMESH_HEARTBEAT_TIMEOUT", 5.0)
-        if self._hb_period <= 0 or self._hb_timeout <= self._hb_period:
-            raise ValueError("need 0 < heartbeat_period < heartbeat_timeout")
+        self._hb_period = config.heartbeat_period if heartbeat_period is None else heartbeat_period
+        self._hb_timeout = (
+            config.heartbeat_timeout if heartbeat_timeout is None else heartbeat_timeout
+        )
+        if not 0 < self._hb_period < self._hb_timeout:
+            raise ValueError(
+                f"need 0 < heartbeat_period < heartbeat_timeout, got {self._hb_period!r} "
+                f"and {self._hb_timeout!r}"
+            )
         self._life = Lifecycle(
             self._host,
             self._env,

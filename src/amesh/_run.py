@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 
-from ._config import default_transport, loop_options
+from ._config import default_transport, loop_options, settings
 from ._runtime._runtime import open_runtime
 from ._transport import open_transport
 
@@ -25,7 +24,7 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str | None = Non
         backend: ``"asyncio"`` (uvloop when installed; the default) or ``"trio"``;
             ``AMESH_BACKEND`` sets the default.
     """
-    backend = backend or os.environ.get("AMESH_BACKEND", "asyncio")
+    backend = backend or settings().backend
 
     async def root() -> T:
         scheme, host = default_transport()

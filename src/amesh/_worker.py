@@ -49,7 +49,7 @@ import anyio
 from . import _debug, _wire
 from ._actor import handlers_of
 from ._bootstrap import Bootstrap, read_bootstrap
-from ._config import loop_options
+from ._config import loop_options, settings, take_internal
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime import _capture
 from ._runtime._context import call_context
@@ -347,9 +347,9 @@ def _take_output(level: str) -> None:
     ``AMESH_OUTPUT_RANK``, which are this process's and so not passed on to its
     children); see :mod:`amesh._runtime._capture`. A worker started otherwise writes
     to the stdout and stderr it inherited. ``level``: the root logger's."""
-    label = os.environ.pop("AMESH_OUTPUT_LABEL", "")
-    rank = os.environ.pop("AMESH_OUTPUT_RANK", "")
-    mode = os.environ.get("AMESH_OUTPUT", "folded")
+    label = take_internal("AMESH_OUTPUT_LABEL")
+    rank = take_internal("AMESH_OUTPUT_RANK")
+    mode = settings().output
     if label and rank.isdigit() and mode != "off":
         _capture.install(label, int(rank), level, system=(AGENT_KEY,))
         return
@@ -378,9 +378,9 @@ def main(boot: Bootstrap | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
-    _take_output(os.environ.get("AMESH_LOG_LEVEL", "WARNING"))
+    _take_output(settings().log_level or "WARNING")
     # the event loop its ProcMesh asks for (not passed on to this worker's children)
-    backend = os.environ.pop("AMESH_WORKER_BACKEND", "") or "asyncio"
+    backend = take_internal("AMESH_WORKER_BACKEND") or "asyncio"
     if backend not in ("asyncio", "trio"):
         print(f"amesh worker: no event loop {backend!r}; running asyncio", file=sys.stderr)
         backend = "asyncio"

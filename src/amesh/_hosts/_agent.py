@@ -48,6 +48,7 @@ import anyio
 
 from .. import _codec
 from .._actor import Actor, endpoint, handlers_of
+from .._config import settings
 from .._debug import current_listener, debug_env
 from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
@@ -507,7 +508,7 @@ def main(
     """The ``amesh agent`` command."""
     logging.basicConfig(
         stream=sys.stderr,
-        level=os.environ.get("AMESH_LOG_LEVEL", "INFO"),
+        level=settings().log_level or "INFO",
         format="%(asctime)s amesh agent %(levelname)s %(name)s: %(message)s",
     )
     anyio.run(

@@ -16,8 +16,8 @@ made readable by its owner only):
 
 The agent is started in a session of its own (it is nobody's child: it outlives the
 controller that started it) and exits by itself once it has had no worker and no
-controller for :data:`IDLE_EXIT` seconds. A lock file makes sure that two controllers
-starting at once start one agent.
+controller for ``AMESH_LOCAL_AGENT_IDLE`` seconds (30 by default). A lock file makes
+sure that two controllers starting at once start one agent.
 """
 
 from __future__ import annotations
@@ -31,22 +31,19 @@ from pathlib import Path
 
 import anyio
 
-from .._config import env_float
+from .._config import settings
 from .._mesh._registry import set_registry_dir
 from .._transport._auth import write_key_file
 
-__all__ = ["IDLE_EXIT", "local_agent", "local_agent_address", "local_key", "state_dir"]
+__all__ = ["local_agent", "local_agent_address", "local_key", "state_dir"]
 
-#: Seconds the local agent lives on without workers or controllers
-#: (``AMESH_LOCAL_AGENT_IDLE``).
-IDLE_EXIT = 30.0
 #: How long a starting agent may take to listen.
 START_TIMEOUT = 30.0
 
 
 def state_dir() -> Path:
     """``AMESH_STATE_DIR``, else ``~/.cache/amesh`` (created, mode 0700)."""
-    path = Path(os.environ.get("AMESH_STATE_DIR") or Path.home() / ".cache" / "amesh")
+    path = Path(settings().state_dir or Path.home() / ".cache" / "amesh")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
@@ -115,7 +112,7 @@ async def _start() -> str:
 def _spawn_agent(home: Path) -> None:
     announce = home / "agent.addr"
     announce.unlink(missing_ok=True)
-    idle = env_float("AMESH_LOCAL_AGENT_IDLE", IDLE_EXIT)
+    idle = settings().local_agent_idle
     cmd = [sys.executable, "-m", "amesh", "agent", "--listen", "stream+tcp://127.0.0.1:0"]
     cmd += ["--key-file", str(local_key()), "--announce", str(announce)]
     cmd += ["--idle-exit", str(idle)]

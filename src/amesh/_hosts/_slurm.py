@@ -31,6 +31,7 @@ from pathlib import Path
 
 import anyio
 
+from .._config import settings
 from .._runtime._runtime import current_runtime
 from .._runtime._session import bridged
 from .._transport._auth import job_key, read_key_file
@@ -45,7 +46,7 @@ _LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZIN
 
 def jobs_dir() -> Path:
     """Where jobs are recorded: ``AMESH_JOBS_DIR``, else ``~/.cache/amesh/jobs``."""
-    return Path(os.environ.get("AMESH_JOBS_DIR") or Path.home() / ".cache" / "amesh" / "jobs")
+    return Path(settings().jobs_dir or Path.home() / ".cache" / "amesh" / "jobs")
 
 
 def _run(*cmd: str, timeout: float = 30.0) -> str:

@@ -71,6 +71,7 @@ import anyio
 import msgspec
 
 from .._bootstrap import Bootstrap
+from .._config import settings, take_internal
 from .._transport import default_impl
 
 __all__ = [
@@ -174,11 +175,7 @@ def _send(sock: socket.socket, msg: msgspec.Struct, fds: list[int] | None = None
 
 def enabled() -> bool:
     """Whether workers come from a zygote (``AMESH_ZYGOTE=0`` turns it off; Linux only)."""
-    return (
-        os.environ.get("AMESH_ZYGOTE", "1") != "0"
-        and sys.platform == "linux"
-        and hasattr(os, "pidfd_open")
-    )
+    return settings().zygote and sys.platform == "linux" and hasattr(os, "pidfd_open")
 
 
 def _startup_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -603,7 +600,7 @@ def _preload() -> None:
 
 def main() -> None:
     """The zygote: ``python -m amesh._hosts._zygote``, started by :meth:`Zygote.start`."""
-    boot = msgspec.json.decode(os.environ.pop(_BOOT_VAR), type=_Boot)
+    boot = msgspec.json.decode(take_internal(_BOOT_VAR), type=_Boot)
     # Ctrl-C reaches the whole process group; the controller decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if boot.pdeathsig:

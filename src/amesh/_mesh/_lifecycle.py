@@ -12,7 +12,7 @@ from anyio.abc import TaskGroup
 
 from .. import _codec
 from .._actor_mesh import ActorMesh
-from .._config import default_transport
+from .._config import default_transport, exported
 from .._errors import ActorError, Failure, SupervisionError
 from .._proc_agent import AGENT_KEY, ProcAgent
 from .._runtime._output import OutputPrinter
@@ -182,9 +182,11 @@ class Lifecycle:
         return started
 
     def _env_of(self, slot: int) -> dict[str, str]:
-        """The environment of the process of ``slot``: what its output becomes, and
+        """The environment of the process of ``slot``: the settings given to
+        :func:`amesh.configure` (under the mesh's ``env``), what its output becomes, and
         whose it is outside actors (see :func:`amesh._worker._take_output`)."""
         return {
+            **exported(),
             **self.env,
             "AMESH_OUTPUT": self.output,
             "AMESH_OUTPUT_LABEL": self.name,

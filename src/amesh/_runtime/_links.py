@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import anyio
 
 from .. import _wire
+from .._config import settings
 from .._errors import Failure
 from .._ratelog import RateLimitedLog
 from .._transport import Transport, TransportClosed
@@ -37,25 +37,15 @@ CREDIT_BATCH_BYTES = 8 * 1024 * 1024
 CREDIT_PROBE = 0.5
 
 
-def _env_int(name: str, default: int, minimum: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        value = int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, not {raw!r}") from None
-    return max(value, minimum)
-
-
 def send_window() -> tuple[int, int]:
     """``(messages, bytes)`` one sender may have waiting in one actor's mailbox.
 
-    From ``AMESH_SEND_WINDOW`` (default 1024, at least 2 x the credit batch of 32) and
-    ``AMESH_SEND_WINDOW_BYTES`` (default 256 MiB, at least 16 MiB).
+    From ``AMESH_SEND_WINDOW`` (default 1024, at least 2 x :data:`CREDIT_BATCH`) and
+    ``AMESH_SEND_WINDOW_BYTES`` (default 256 MiB, at least 2 x :data:`CREDIT_BATCH_BYTES`);
+    see :mod:`amesh._config`.
     """
-    return (
-        _env_int("AMESH_SEND_WINDOW", 1024, 2 * CREDIT_BATCH),
-        _env_int("AMESH_SEND_WINDOW_BYTES", 256 << 20, 2 * CREDIT_BATCH_BYTES),
-    )
+    config = settings()
+    return config.send_window, config.send_window_bytes
 
 
 class Links:

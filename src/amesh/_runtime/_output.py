@@ -30,7 +30,6 @@ configured), it is printed to ``sys.stderr`` as ``[trainers 3] WARNING mylib: ..
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from collections import deque
@@ -39,6 +38,7 @@ from typing import Any, TextIO
 
 import anyio
 
+from .._config import settings
 from .._wire import LOG, STDERR, STDOUT, Output, OutputLine
 
 __all__ = [
@@ -70,7 +70,7 @@ def output_mode(mode: str | None = None) -> str:
         ValueError: not one of :data:`MODES`.
     """
     if mode is None:
-        mode = os.environ.get("AMESH_OUTPUT") or "folded"
+        mode = settings().output
     if mode not in MODES:
         raise ValueError(f"output must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
     return mode

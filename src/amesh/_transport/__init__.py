@@ -16,9 +16,9 @@ imported.
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
+from .._config import settings
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._hybrid import TLS_PREFIX, HybridTransport, local_route, open_tls
 from ._stream import StreamBeat, StreamTransport, is_stream_address
@@ -53,10 +53,7 @@ def default_impl() -> str:
     With ``ext`` or ``nng`` every link is NNG's: ``tcp`` then is NNG over ``tls+tcp``
     alone, within a host too.
     """
-    impl = os.environ.get("AMESH_TRANSPORT_IMPL", "")
-    if impl not in ("", *_IMPLS):
-        raise ValueError(f"AMESH_TRANSPORT_IMPL must be 'ext', 'nng' or 'stream', not {impl!r}")
-    return impl or "stream"
+    return settings().transport_impl
 
 
 def open_transport(

@@ -46,6 +46,7 @@ import threading
 import time
 from typing import Any
 
+from .._config import settings
 from .._ratelog import RateLimitedLog
 
 __all__ = [
@@ -121,7 +122,7 @@ def job_key() -> bytes:
     global _key
     key = _key
     if key is None:
-        path = os.environ.get("AMESH_KEY_FILE")
+        path = settings().key_file
         fresh = read_key_file(path) if path else secrets.token_bytes(KEY_SIZE)
         with _key_lock:
             if _key is None:

@@ -6,14 +6,14 @@ import os
 import stat
 import tempfile
 
+from .._config import settings
+
 __all__ = ["ensure_ipc_dir", "ipc_dir"]
 
 
 def ipc_dir() -> str:
     """Where ipc:// socket files go: ``AMESH_IPC_DIR``, else ``$TMPDIR/amesh-<uid>``."""
-    return os.environ.get("AMESH_IPC_DIR") or os.path.join(
-        tempfile.gettempdir(), f"amesh-{os.getuid()}"
-    )
+    return settings().ipc_dir or os.path.join(tempfile.gettempdir(), f"amesh-{os.getuid()}")
 
 
 def ensure_ipc_dir() -> str:

@@ -70,6 +70,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .._config import settings
 from ._auth import job_key
 
 __all__ = [
@@ -136,7 +137,7 @@ def is_tls_address(addr: str) -> bool:
 def server_name() -> str:
     """The name dialers check in a listener's certificate: ``AMESH_TLS_SERVER_NAME``,
     else :data:`SERVER_NAME`."""
-    return os.environ.get(ENV_SERVER_NAME) or SERVER_NAME
+    return settings().tls_server_name or SERVER_NAME
 
 
 # -- certificates from the job key -----------------------------------------------------
@@ -306,7 +307,8 @@ def files_material(ca_path: str, cert_path: str, key_path: str, name: str) -> Ma
 
 
 def _env_paths() -> tuple[str, str, str] | None:
-    values = {var: os.environ.get(var, "") for var in (ENV_CA, ENV_CERT, ENV_KEY)}
+    config = settings()
+    values = {ENV_CA: config.tls_ca, ENV_CERT: config.tls_cert, ENV_KEY: config.tls_key}
     given = [var for var, value in values.items() if value]
     if not given:
         return None

@@ -173,6 +173,7 @@ async def init_process_group(
 
     Raises:
         TypeError: ``procs`` is not a ProcMesh.
+        ValueError: ``timeout`` is not a positive number of seconds.
         RuntimeError: ``procs`` is not running, or some of its processes already
             belong to a default process group.
         ActorError: a worker could not set up or join the group (the remote error says
@@ -182,6 +183,8 @@ async def init_process_group(
     """
     if not isinstance(procs, ProcMesh):
         raise TypeError(f"init_process_group needs a ProcMesh, got {type(procs).__name__}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
     setup = await procs.spawn(f"_torch_setup_{uuid.uuid4().hex[:8]}", TorchSetup)
     try:
         described = (await setup.describe.call()).values()

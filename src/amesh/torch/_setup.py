@@ -139,7 +139,7 @@ class TorchSetup(Actor):
 
     def _join(self, env: RankEnv, backend: str, timeout: float | None, gpus_dim: bool) -> str:
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        store_timeout = _timedelta(timeout) or datetime.timedelta(seconds=300)
+        store_timeout = datetime.timedelta(seconds=300 if timeout is None else timeout)
         # The store takes ownership of the listening socket (it closes the fd).
         listen_fd = self._listener.detach() if self._listener is not None else None
         self._listener = None
