@@ -134,7 +134,8 @@ class Counter(Actor):
         return self.arrived
 
     @endpoint(concurrent=True)
-    async def wait_released(self) -> int:
+    async def wait_released(self, tag: Any = None) -> int:
+        """``tag``: anything, e.g. a scattered argument."""
         self.started.set()
         await self.released.wait()
         return current_rank().rank

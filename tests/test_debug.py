@@ -24,6 +24,7 @@ EXPECT = 30
 PROMPT = r"\(Pdb\) "
 
 CONTROLLER = """
+import os
 import sys
 
 import anyio
@@ -46,10 +47,18 @@ class W(amesh.Actor):
         return y
 
 
+class E(amesh.Actor):
+    @amesh.endpoint
+    async def ping(self, x: int) -> str:
+        await anyio.sleep(0)
+        return f"pong {x} from pid {os.getpid()}"
+
+
 async def main() -> None:
     async with amesh.ProcMesh(per_host={"procs": 2}) as procs:
         print("pids:", *procs.pids, flush=True)
         w = await procs.spawn("w", W)
+        e = await procs.spawn("e", E)
         async with anyio.create_task_group() as tg:
 
             async def call() -> None:
@@ -62,6 +71,11 @@ async def main() -> None:
             elif sys.argv[2] == "debug-on-enter":  # once the test saw every rank pause
                 await anyio.to_thread.run_sync(sys.stdin.readline)
                 await amesh.debug()
+                await amesh.debug()
+            elif sys.argv[2] == "serve":  # once the test saw the rank pause
+                await anyio.to_thread.run_sync(sys.stdin.readline)
+                for x in range(3):  # another actor of the paused process
+                    print(await e.slice(procs=1).ping.call_one(x), flush=True)
                 await amesh.debug()
 
 
@@ -186,6 +200,19 @@ def test_ranks_paused_at_once_are_listed_and_one_is_chosen(controller: Start) ->
     child.expect(r"attached to w\[0\]")
     child.expect(PROMPT)
     child.sendline("c")
+    _finish(child, pids)
+
+
+@pytest.mark.timeout(120)
+def test_other_actors_of_a_paused_process_keep_serving(controller: Start) -> None:
+    child = controller("1", "serve")
+    pids = _worker_pids(child)
+    child.expect(r"amesh: w\[1\] at controller\.py:\d+ paused")
+    child.sendline("")
+    for x in range(3):  # answered by the process whose handler is paused
+        child.expect(rf"pong {x} from pid {pids[1]}\r\n")
+    child.expect(r"attached to w\[1\]")
+    _pdb_session(child)
     _finish(child, pids)
 
 

@@ -95,6 +95,11 @@ def test_amesh_debug_on_the_agents_machine(
 ) -> None:
     child = controller("0", "wait")
     pids = _worker_pids(child)
+    # the worker says so itself: the agent's listener prints on the agent's terminal
+    child.expect(
+        r"amesh: w\[0\] at controller\.py:\d+ paused \(pid \d+ on [^)]+\): attach with "
+        r"`await amesh\.debug\(\)` at the controller"
+    )
     anyio.run(agent.logged, "w[0] at controller.py")  # its listener says it paused
     path, entry = _announced(state)
     assert entry["pid"] == agent.proc.pid

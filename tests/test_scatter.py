@@ -37,6 +37,11 @@ class Shard(Actor):
         self.records.append(item)
 
     @endpoint
+    def record_and_list(self, item: Any) -> list[Any]:
+        self.records.append(item)
+        return self.records
+
+    @endpoint
     def recorded(self) -> list[Any]:
         return self.records
 
@@ -205,11 +210,15 @@ async def test_broadcast_scatters_in_order_down_the_relay_tree() -> None:
             await m.record.broadcast("last")
             records = await m.recorded.call()
             assert records.values() == [["first", e, "last"] for e in "abcd"]
-            # a scattered call skips the tree and each rank answers it directly
-            got = await m.take.call(ValueMesh.of(m, [4, 5, 6, 7]))
-            assert [x for _, x, _, _ in got.values()] == [4, 5, 6, 7]
+            # a scattered call goes down the tree too, each rank's request along its
+            # own path: behind the broadcasts before it
             relayed = sum(s["relayed"] for s in (await procs.statistics()).values())
-            assert relayed > 0  # the unscattered requests did take the tree
+            await m.record.broadcast("again")
+            got = await m.record_and_list.call(ValueMesh.of(m, ["A", "B", "C", "D"]))
+            assert got.values() == [["first", e, "last", "again", e.upper()] for e in "abcd"]
+            # rank 0 relays for ranks 2 and 3: the broadcast, and their requests
+            now = sum(s["relayed"] for s in (await procs.statistics()).values())
+            assert now - relayed == 1 + 2
 
 
 async def test_stream_and_choose_scatter() -> None:
@@ -236,16 +245,18 @@ async def test_results_of_one_mesh_feed_another() -> None:
             assert got.values() == [1, 11, 21, 31]
 
 
-async def test_scattered_call_errors_timeouts_and_cancels_as_any_call() -> None:
+@pytest.mark.parametrize("fanout", [16, 2], ids=["direct", "relay-tree"])
+async def test_scattered_call_errors_timeouts_and_cancels_as_any_call(fanout: int) -> None:
     with anyio.fail_after(60):
-        async with ProcMesh(per_host={"x": 2, "y": 2}) as procs:
+        # fan-out 2: ranks 2 and 3 are reached through rank 0
+        async with ProcMesh(per_host={"x": 2, "y": 2}, fanout=fanout) as procs:
             m = await procs.spawn("m", Shard)
             with pytest.raises(ActorError, match="this rank's element says fail") as err:
                 await m.fail_if.call(ValueMesh.of(m, [False, False, True, False]))
             assert err.value.point == {"x": 1, "y": 0, "rank": 2}
             with pytest.raises(TimeoutError):
                 await m.hang_unless.options(timeout=0.5).call(
-                    ValueMesh.of(m, [True, False, True, True])
+                    ValueMesh.of(m, [True, False, True, False])
                 )
-            # the rank that did not answer was cancelled there (a later call runs after)
-            assert (await m.cancelled_count.call()).values() == [0, 1, 0, 0]
+            # the ranks that did not answer were cancelled there (a later call runs after)
+            assert (await m.cancelled_count.call()).values() == [0, 1, 0, 1]

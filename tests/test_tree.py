@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from amesh import Failure, ProcMesh, SupervisionError
+from amesh import Failure, ProcMesh, SupervisionError, ValueMesh
 from amesh._runtime._runtime import current_runtime
 from amesh._runtime._tree import plan, split
 from amesh.testing import InProcessHost, MemoryTransport, open_runtime
@@ -85,6 +85,20 @@ async def test_call_and_broadcast_go_down_the_tree_in_order() -> None:
                 assert sum(s["relayed"] for s in stats) > 0
                 assert all(s["gathers"] == 0 for s in stats)  # every gather finished
 
+                # a scattered call: a request per rank, each down its own path (one
+                # frame per rank, to the heads), so it arrives behind the broadcast
+                # before it; each rank's reply comes up through the relays
+                before = (await c.get.call()).values()
+                sent0, recv0 = counters()
+                await c.incr.broadcast(100)
+                got = await c.incr.call(ValueMesh.of(c, list(range(n))))
+                sent1, recv1 = counters()
+                assert got.values() == [b + 100 + r for r, b in enumerate(before)]
+                assert sent1 - sent0 == fanout + n
+                assert recv1 - recv0 == n
+                stats = (await procs.statistics()).values()
+                assert all(s["gathers"] == 0 for s in stats)
+
 
 async def test_error_in_a_subtree_fails_the_call_fast() -> None:
     with anyio.fail_after(60):
@@ -99,10 +113,12 @@ async def test_error_in_a_subtree_fails_the_call_fast() -> None:
                 assert (await c.incr.call()).values() == [1] * 13
 
 
-async def test_relay_death_fails_only_that_rank_and_the_rest_completes() -> None:
+@pytest.mark.parametrize("scattered", [False, True], ids=["one-request", "scattered"])
+async def test_relay_death_fails_only_that_rank_and_the_rest_completes(scattered: bool) -> None:
     """A relay dies while a call is in flight through it: the ranks behind it fail
     fast with the relay's failure (only the relay's rank is a failure), and calls that
-    avoid the dead rank route around it."""
+    avoid the dead rank route around it. The same for a scattered call, whose ranks
+    each got a request of their own down their own path."""
     host = InProcessHost()
     failures: list[Failure] = []
     failed = anyio.Event()
@@ -123,7 +139,8 @@ async def test_relay_death_fails_only_that_rank_and_the_rest_completes() -> None
 
                 async def stream() -> None:
                     try:
-                        async for point, value in c.wait_released.stream():
+                        tags = ValueMesh.of(c, list(range(13))) if scattered else None
+                        async for point, value in c.wait_released.stream(tags):
                             results.append((point.rank, value))
                     except SupervisionError as exc:
                         errors.append(exc)

@@ -58,6 +58,7 @@ from anyio.from_thread import run as run_on_loop
 from anyio.lowlevel import EventLoopToken, current_token
 
 from ._runtime._context import call_context
+from ._runtime._pausable import debugged_here, wait_off_loop
 from ._runtime._session import bridged
 from ._transport._auth import (
     HANDSHAKE_TIMEOUT,
@@ -83,6 +84,8 @@ __all__ = [
 
 #: The environment variable that tells a worker where its breakpoints go.
 DEBUG_ENV = "AMESH_DEBUG_LISTENER"
+#: set (by a host agent) when the listener is not the controller's
+RELAYED_ENV = "AMESH_DEBUG_RELAYED"
 _TAG = b"amesh debug listener v1\0"
 _NONCE = 32
 _CHUNK = 65536
@@ -220,6 +223,13 @@ def _copy(src: _Conn, dst: socket.socket) -> None:
 # -- the controller's listener -------------------------------------------------------------
 
 
+def _title(info: dict[str, Any]) -> str:
+    """``trainers[3] at train.py:42``, from a worker's hello (:func:`_where`)."""
+    rank = info.get("rank")
+    who = f"{info.get('label')}[{rank}]" if rank is not None else str(info.get("label"))
+    return f"{who} at {os.path.basename(str(info.get('file')))}:{info.get('line')}"
+
+
 class _Paused:
     """A rank paused in pdb, waiting for (or attached to) a client."""
 
@@ -232,10 +242,7 @@ class _Paused:
     @property
     def title(self) -> str:
         """``trainers[3] at train.py:42``."""
-        info = self.info
-        rank = info.get("rank")
-        who = f"{info.get('label')}[{rank}]" if rank is not None else str(info.get("label"))
-        return f"{who} at {os.path.basename(str(info.get('file')))}:{info.get('line')}"
+        return _title(self.info)
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.ident, "title": self.title, **self.info}
@@ -460,11 +467,13 @@ def current_listener() -> DebugListener | None:
     return _listener
 
 
-def debug_env(files: Callable[[], Path]) -> dict[str, str]:
+def debug_env(files: Callable[[], Path], relayed: bool = False) -> dict[str, str]:
     """What the environment of a worker started on this machine needs for its
-    breakpoints: the address of this controller's listener (started on first use;
+    breakpoints: the address of this process's listener (started on first use;
     ``files``: see :class:`DebugListener`), or nothing in a worker, whose children
-    inherit its controller's."""
+    inherit its controller's. ``relayed``: we are a host agent, whose listener the
+    controller's user reaches through us; the worker says itself that it paused (in
+    its output, which reaches the controller)."""
     global _listener
     if os.environ.get(DEBUG_ENV):
         return {}
@@ -476,7 +485,11 @@ def debug_env(files: Callable[[], Path]) -> dict[str, str]:
                 print(f"amesh: no remote debugging ({exc})", file=sys.stderr)
                 return {}
             atexit.register(_listener.close)
-        return {DEBUG_ENV: _listener.address}
+        return (
+            {DEBUG_ENV: _listener.address, RELAYED_ENV: "1"}
+            if relayed
+            else {DEBUG_ENV: _listener.address}
+        )
 
 
 # -- the worker's side ----------------------------------------------------------------------
@@ -489,6 +502,11 @@ class _Channel:
     def __init__(self, conn: _Conn) -> None:
         self._conn = conn
         self._open = True
+
+    @property
+    def open(self) -> bool:
+        """Whether the session is still on (the client may still be there)."""
+        return self._open
 
     def write(self, text: str) -> int:
         if text and self._open:
@@ -506,7 +524,8 @@ class _Channel:
             return ""
         try:
             self._conn.send({"read": 1})
-            return self._conn.readline().decode(errors="replace")
+            # a handler on the event loop waits in a worker thread: the loop goes on
+            return wait_off_loop(self._conn.readline).decode(errors="replace")
         except OSError:
             self._open = False
             return ""
@@ -532,6 +551,12 @@ class _RemotePdb(pdb.Pdb):
         self.set_continue()
         self._channel.close()
         return True
+
+    def handler_ended(self) -> None:
+        """The paused handler returned or raised while the session was on."""
+        if self._channel.open:
+            self.message("amesh: the handler ended; the session ends with it")
+            self._leave()
 
     def do_continue(self, arg: str) -> bool:
         """c(ont(inue)): go on; this session ends."""
@@ -587,7 +612,17 @@ def breakpointhook(*args: Any, **kwargs: Any) -> Any:
     except (OSError, ValueError, Refused) as exc:
         print(f"amesh: breakpoint() at {where} skipped: {exc}", file=sys.stderr, flush=True)
         return None
-    _RemotePdb(_Channel(conn)).set_trace(frame)
+    if os.environ.get(RELAYED_ENV):  # the listener is a host agent's, not the controller's
+        info = _where(frame)
+        print(
+            f"amesh: {_title(info)} paused (pid {info['pid']} on {info['host']}): attach "
+            f"with `await amesh.debug()` at the controller, or `amesh debug` on {info['host']}",
+            file=sys.stderr,
+            flush=True,
+        )
+    debugger = _RemotePdb(_Channel(conn))
+    debugged_here(debugger.handler_ended)
+    debugger.set_trace(frame)
     return None
 
 

@@ -149,11 +149,9 @@ class MeshEndpoint(Generic[P, R]):
     arguments themselves are scattered, not ValueMeshes inside them; to pass a
     ValueMesh whole to every rank, pass ``vm.whole()``.
 
-    A scattered call to several ranks skips the relay tree: each rank gets its own
-    request straight from the caller, so on a mesh large enough for a tree it is not
-    ordered behind requests still on their way down the tree. A scattered
-    ``broadcast`` goes down the tree (one message per rank, each along its rank's path)
-    and keeps its order.
+    A scattered request is one message per rank, each down the relay tree along its
+    rank's own path, so it keeps its order behind the requests before it (the sender
+    sends one frame per rank instead of one per subtree).
     """
 
     __slots__ = ("_desc", "_mesh", "_timeout")

@@ -137,7 +137,7 @@ class HostAgent(Actor):
         rt = current_runtime()
         child_env = dict(os.environ)
         child_env.update(env)
-        child_env.update(debug_env(lambda: state_dir() / "debug"))
+        child_env.update(debug_env(lambda: state_dir() / "debug", relayed=True))
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         # the worker listens the way its controller does: TLS between hosts (and
         # streams within this one), or plain tcp streams

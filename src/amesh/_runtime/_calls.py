@@ -26,8 +26,8 @@ class Pending:
     """
 
     __slots__ = (
-        "_event", "_new_event", "actor", "call_id", "items", "payload", "relays", "size",
-        "slots", "targets", "via",
+        "_event", "_new_event", "actor", "call_id", "ids", "items", "payload", "relays",
+        "size", "slots", "targets", "via",
     )  # fmt: skip
 
     def __init__(
@@ -52,6 +52,9 @@ class Pending:
         #: the relays the call went through, and the relays on each rank's path
         self.relays: set[str] = set()
         self.via: dict[int, tuple[str, ...]] = {}
+        #: rank -> id of the request it got, when each rank got its own (a scattered
+        #: call, see :meth:`request_id`); its replies still come for ``call_id``
+        self.ids: dict[int, int] = {}
         #: the call's arguments, while they have shared-memory segments
         self.payload: _codec.Payload | None = None
 
@@ -61,6 +64,22 @@ class Pending:
         self.items.append((rank, ok, value))
         if self._event is not None:
             self._event.set()
+
+    def request_id(self, rank: int) -> int:
+        """The id of the request that ``rank`` got (which a cancel names)."""
+        return self.ids.get(rank, self.call_id)
+
+    def cancels(self) -> set[tuple[str, int]]:
+        """``(address, request id)`` for each rank that has not answered, and each relay
+        still gathering for one: what to cancel when the call ends early."""
+        if not self.ids:
+            return {(a, self.call_id) for a in (*self.targets.values(), *self.relays)}
+        out = set()
+        for rank, addr in self.targets.items():
+            rid = self.ids[rank]
+            out.add((addr, rid))
+            out.update((relay, rid) for relay in self.via.get(rank, ()))
+        return out
 
     def mesh_rank(self, rank: int) -> int:
         """The rank in the whole actor mesh of called rank ``rank``."""
@@ -118,12 +137,13 @@ class Calls:
             self.inflight[k] = self.inflight.get(k, 0) + 1
         return pending
 
-    def close(self, pending: Pending) -> set[str]:
-        """Forget ``pending``; returns where it still waits (ranks and relays)."""
+    def close(self, pending: Pending) -> set[tuple[str, int]]:
+        """Forget ``pending``; returns where it still waits, as ``(address, request
+        id)`` of ranks and relays (see :meth:`Pending.cancels`)."""
         self.pending.pop(pending.call_id, None)
         for addr in pending.targets.values():
             self.dec_inflight(addr, pending.actor)
-        waiting = set(pending.targets.values()) | pending.relays
+        waiting = pending.cancels()
         pending.targets.clear()
         # Replies nobody will read (the call ended early), and the arguments' segments
         # (a receiver that has not loaded them by now never will).

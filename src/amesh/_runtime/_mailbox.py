@@ -27,6 +27,7 @@ from .. import _codec, _wire
 from .._config import debug
 from ._capture import before_reply
 from ._context import CallContext, call_context, is_local, native_event_class, runtime_var
+from ._pausable import run_handler
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -416,9 +417,8 @@ class ActorInstance:
                     run = partial(_run_in_thread, handler.fn, self.obj, args, kwargs, is_call, shm)
                     result, payload = await anyio.to_thread.run_sync(run)
                 else:
-                    result = handler.fn(self.obj, *args, **kwargs)
-                    if inspect.isawaitable(result):
-                        result = await result
+                    # in a greenlet of its own: a breakpoint() pauses the handler only
+                    result = await run_handler(handler.fn, self.obj, *args, **kwargs)
                 if is_call and payload is None and not cheap_to_pickle(result):
                     payload = await anyio.to_thread.run_sync(partial(_codec.dumps, result, shm=shm))
         except Exception as exc:  # any pickling error is the call's, not the process's

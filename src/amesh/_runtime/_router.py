@@ -12,10 +12,11 @@ A call or cast to ranks behind a relay depends on that relay. When a relay dies:
   bounds by the send window.
 
 A scattered request (each rank its own arguments: see :data:`Payloads`) cannot share
-one frame down a subtree. A scattered call skips the relay tree: each rank gets its own
-:class:`~amesh._wire.Call` straight from the sender. A scattered cast is one cast per
-rank, each with its own id, down the tree along that rank's own path, so it stays in
-order behind earlier casts to the rank (and is sent again if a relay on it dies).
+one frame down a subtree: it is one request per rank, each with its own id, down the
+tree along that rank's own path, so it stays in order behind earlier requests to the
+rank. A scattered call's requests all answer for the call's id (their ``reply_id``);
+its cancels and prunes name each rank's own request. A scattered cast is sent again if
+a relay on a rank's path dies, like any other.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ class Router:
         payload: Payloads,
         tree: Tree | None = None,
     ) -> None:
-        """Send the call of ``pending`` to each of its target ranks (down ``tree``; a
-        scattered call, with a payload per rank, goes to each rank directly)."""
+        """Send the call of ``pending`` to each of its target ranks, down ``tree`` (a
+        scattered call, with a payload per rank, as one request per rank)."""
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
         if any(a in self._dead for a in pending.targets.values()):
@@ -118,7 +119,7 @@ class Router:
                     self._calls.dec_inflight(addr, pending.actor)
             return
         if not isinstance(payload, Payload):
-            await self._send_each(pending, method, labels, sizes, payload, chain)
+            await self._send_each(pending, method, labels, sizes, payload, chain, tree)
             return
         data, lengths, parts = _wire.pack(payload.data, payload.buffers)
         call_id = pending.call_id
@@ -138,18 +139,30 @@ class Router:
         sizes: list[int],
         payloads: Mapping[int, Payload],
         chain: list[str],
+        tree: Tree | None,
     ) -> None:
-        """Send each target rank of ``pending`` its own payload, directly."""
+        """Send each target rank of ``pending`` its own payload, in a request of its
+        own, along its own path down ``tree``; the replies come for the call's id."""
         # a copy: ranks that answer while we send leave pending.targets
         for rank, addr in list(pending.targets.items()):
             payload = payloads[rank]
             data, lengths, parts = _wire.pack(payload.data, payload.buffers)
-            req = _wire.Call(
-                self.address, pending.call_id, rank, pending.actor, method, labels, sizes,
-                data, chain, lengths,
+            request_id = pending.ids[rank] = self._calls.next_id()
+            req = _wire.Relay(
+                self.address, request_id, -1, pending.actor, method, labels, sizes, data,
+                chain, lengths, self.address, pending.call_id, [],
             )  # fmt: skip
-            await self._links.send(addr, req, parts)
-            self._calls.sent += 1
+            heads: list[tuple[str, int, Nodes]] = [(addr, rank, [])]
+            if tree is not None:
+                route = plan(
+                    {rank: tree.slots[rank]}, tree.procs, tree.fanout, self._dead, tree.group
+                )
+                heads = route.heads
+                pending.relays |= route.relays
+                pending.via.update(route.via)
+            for head, head_rank, nodes in heads:
+                await self._links.send(head, _wire.addressed(req, head_rank, nodes), parts)
+                self._calls.sent += 1
 
     async def send_casts(
         self,
@@ -303,20 +316,26 @@ class Router:
         # The requests may be running behind the dead relay: nobody waits for their
         # results now, so cancel them there, and the gathers of the relays below it
         # (paths run from the top; the relays above still gather for other ranks).
-        behind = {pending.targets[r] for r in lost}
+        # (A scattered call's ranks each have a request of their own, which is what
+        # these cancels and prunes name.)
+        behind: set[tuple[str, int]] = set()
+        #: (relay, request id) -> the ranks it must stop waiting for
+        prunes: dict[tuple[str, int], list[int]] = {}
         for r in lost:
-            path = pending.via[r]
-            behind.update(path[path.index(addr) + 1 :])
+            path, request_id = pending.via[r], pending.request_id(r)
+            behind.add((pending.targets[r], request_id))
+            behind.update((below, request_id) for below in path[path.index(addr) + 1 :])
+            above = path[: path.index(addr)] if pending.ids else pending.relays
+            for relay in above:
+                prunes.setdefault((relay, request_id), []).append(r)
         for rank in lost:
             msg = (
                 f"the result of {pending.where(rank)} was lost: the process relaying it {why.cause}"
             )
             self._calls.fail_rank(pending, rank, why, msg)
-        for peer in behind:
+        for peer, request_id in behind:
             if peer not in self._dead:
-                self._links.send_nowait(peer, _wire.Cancel(self.address, pending.call_id))
-        if lost:
-            prune = _wire.Prune(self.address, pending.call_id, lost)
-            for relay in pending.relays:
-                if relay not in self._dead:
-                    self._links.send_nowait(relay, prune)
+                self._links.send_nowait(peer, _wire.Cancel(self.address, request_id))
+        for (relay, request_id), ranks in prunes.items():
+            if relay not in self._dead:
+                self._links.send_nowait(relay, _wire.Prune(self.address, request_id, ranks))

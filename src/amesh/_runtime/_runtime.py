@@ -256,9 +256,9 @@ class Runtime:
         """Forget ``pending``; with ``cancel``, ask the ranks that did not answer to stop."""
         waiting = self.calls.close(pending)
         if cancel:
-            for addr in waiting:
+            for addr, request_id in waiting:
                 if addr not in self.dead:
-                    self.links.send_nowait(addr, _wire.Cancel(self.address, pending.call_id))
+                    self.links.send_nowait(addr, _wire.Cancel(self.address, request_id))
 
     async def send_requests(
         self,

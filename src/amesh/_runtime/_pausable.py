@@ -1,0 +1,177 @@
+"""Handlers that a debugger can pause without stopping their process's event loop.
+
+All actors of a process share one event loop thread. A ``breakpoint()`` in a handler
+stops that thread where the handler stands: pdb waits there for its next line of input,
+and with a plain call nothing else in the process would run until the user typed
+``continue`` (not the other actors, not the replies, not the process's heartbeats).
+
+So :func:`run_handler` runs each handler in a greenlet of its own, on the loop's thread:
+the handler's code, and every step of its coroutine, run in that greenlet, and each time
+the coroutine waits, the greenlet hands what it waits on to the task that drives it.
+When pdb needs a line, :func:`wait_off_loop` leaves the handler's greenlet with the
+blocking read, the driving task awaits that read in a worker thread, and meanwhile the
+loop serves everything else. pdb's trace function is set only while the handler's
+greenlet runs, so that stepping stays in the paused handler.
+
+Outside such a greenlet (a handler in a worker thread, code that is no handler)
+:func:`wait_off_loop` just blocks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar
+
+import anyio
+from greenlet import getcurrent, greenlet
+
+__all__ = ["debugged_here", "run_handler", "wait_off_loop"]
+
+T = TypeVar("T")
+
+#: what a handler's greenlet hands its driver: a value its coroutine yields to the loop,
+#: a blocking function to run in a worker thread, or how the handler ended
+_YIELD, _WAIT, _RETURNED, _RAISED = range(4)
+#: what the driver hands back: a value to send into the coroutine, or one to throw
+_SEND, _THROW = 0, 1
+#: a handler call: the function, its positional and its keyword arguments
+_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+#: Idle handler greenlets kept for reuse, per thread: a new one costs some microseconds.
+_IDLE_MAX = 64
+
+
+class _Handler(greenlet):  # type: ignore[misc]  # greenlet has no stubs for subclassing
+    """A greenlet that runs handler calls, one at a time, as :func:`run_handler` gives
+    them: ``switch((fn, args, kwargs))``, or ``switch(None)`` to end it."""
+
+    def __init__(self) -> None:
+        super().__init__(self._serve)
+        #: a debugger session in the handler running now: it ends with the handler
+        self.debugger: Callable[[], None] | None = None
+
+    def _leave(self, request: tuple[int, Any]) -> tuple[int, Any]:
+        """Hand ``request`` to the driver and return its answer; a debugger's trace
+        function is set only while this greenlet runs."""
+        trace = sys.gettrace() if self.debugger is not None else None
+        if trace is not None:
+            sys.settrace(None)
+        try:
+            answer: tuple[int, Any] = self.parent.switch(request)
+        finally:
+            if trace is not None:
+                sys.settrace(trace)
+        return answer
+
+    def _serve(self, job: _Job | None) -> None:
+        while job is not None:
+            fn, args, kwargs = job
+            del job
+            try:
+                ended: tuple[int, Any] = (_RETURNED, self._call(fn, args, kwargs))
+            except BaseException as exc:  # the driver raises it in the handler's task
+                ended = (_RAISED, exc)
+            finally:
+                if self.debugger is not None:  # still stepping: not on into the loop's code
+                    self.debugger()
+                    self.debugger = None
+                    sys.settrace(None)
+            del fn, args, kwargs
+            job = self.parent.switch(ended)
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = fn(*args, **kwargs)
+        if not inspect.isawaitable(result):
+            return result
+        steps = result.__await__()
+        kind: int = _SEND
+        value: Any = None
+        while True:
+            try:
+                if kind == _THROW:
+                    yielded = steps.throw(value)
+                else:
+                    yielded = steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            kind, value = self._leave((_YIELD, yielded))
+
+
+class _Idle(threading.local):
+    def __init__(self) -> None:
+        self.handlers: list[_Handler] = []
+
+
+_idle = _Idle()
+
+
+class _Pass:
+    """Awaiting it yields ``value`` to the event loop, as the handler's coroutine did,
+    and returns what the loop sends back (or raises what it throws)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return (yield self.value)
+
+
+async def run_handler(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, awaited if it returns an awaitable, in a greenlet of its
+    own (see the module doc): a debugger may pause it while the loop goes on."""
+    idle = _idle.handlers
+    g = idle.pop() if idle else _Handler()
+    here = getcurrent()
+    g.parent = here
+    # the handler sees (and changes) the context of the task that runs it
+    g.gr_context = here.gr_context
+    kind, value = g.switch((fn, args, kwargs))
+    while kind < _RETURNED:
+        try:
+            if kind == _WAIT:
+                # the paused handler waits for its debugger, however the call fares; a
+                # cancel reaches it at its next await
+                with anyio.CancelScope(shield=True):
+                    answer: tuple[int, Any] = (_SEND, await anyio.to_thread.run_sync(value))
+            else:
+                answer = (_SEND, await _Pass(value))
+        except BaseException as exc:  # the handler's coroutine decides what it means
+            answer = (_THROW, exc)
+        kind, value = g.switch(answer)
+    g.gr_context = None
+    if len(idle) < _IDLE_MAX:
+        idle.append(g)
+    else:
+        g.switch(None)  # it ends
+    if kind == _RAISED:
+        try:
+            raise value
+        finally:
+            del value
+    return value
+
+
+def wait_off_loop(fn: Callable[[], T]) -> T:
+    """``fn()``, a blocking wait: from a handler run by :func:`run_handler`, in a worker
+    thread while its event loop goes on; anywhere else, right here."""
+    g = getcurrent()
+    if not isinstance(g, _Handler):
+        return fn()
+    kind, value = g._leave((_WAIT, fn))
+    if kind == _THROW:
+        raise value
+    result: T = value
+    return result
+
+
+def debugged_here(end: Callable[[], None]) -> None:
+    """A debugger starts in the handler that calls this: its trace function is set
+    only while the handler runs, and ``end()`` ends its session when the handler
+    ends (if it is still on). Nothing outside a handler run by :func:`run_handler`."""
+    g = getcurrent()
+    if isinstance(g, _Handler):
+        g.debugger = end
