@@ -45,7 +45,7 @@ async def test_a_gibibyte_through_every_adverb() -> None:
             got = await one.make.call_one(GIB)
             assert fingerprint(got) == want
             del got
-            # to two ranks: the argument travels in each frame
+            # to two ranks: written once into shared memory, which each rank reads
             assert list((await big.fingerprint.call(data)).values()) == [want, want]
             results = await big.make.call(GIB)
             assert [fingerprint(r) for r in results.values()] == [want, want]

@@ -76,6 +76,7 @@ __all__ = [
     "Payload",
     "discard_segments",
     "dumps",
+    "for_receivers",
     "job_id",
     "loads",
     "release_payload",
@@ -101,6 +102,9 @@ _DIRECT = 64 * 1024
 
 # What a buffer taken out of the stream was, so what to rebuild.
 _BYTES, _BYTEARRAY, _WRITABLE, _READONLY = 0, 1, 2, 3
+# A flag on that kind: the segment's bytes are shared by several receivers, each
+# through a name of its own (see :func:`for_receivers`), and mapped copy-on-write.
+_SHARED = 4
 
 
 class Payload:
@@ -586,6 +590,58 @@ def release_payload(payload: Payload) -> int:
     return removed
 
 
+def for_receivers(payload: Payload, ranks: Sequence[int]) -> Payload | dict[int, Payload]:
+    """``payload`` (from ``dumps(..., shm=True)``) for several receivers on this host:
+    one payload per rank of ``ranks``, each naming the same segments by names of its
+    own (hard links), so the bytes are written once however many processes load
+    them. Each receiver unlinks its names as it loads them, as for one receiver, and
+    maps the bytes copy-on-write: what it writes stays its own. ``payload`` itself
+    when it has no segments.
+
+    Raises:
+        OSError: a segment cannot be linked (nothing is left behind; send the bytes
+            some other way).
+    """
+    if not payload.segments:
+        return payload
+    out: dict[int, Payload] = {}
+    try:
+        for rank in ranks:
+            data, names = payload.data, []
+            for path in payload.segments:
+                name = _link_segment(path)
+                names.append(name)
+                data = _rename_ref(data, path, name)
+            out[rank] = Payload(data, payload.buffers, names)
+    except OSError:
+        for each in out.values():
+            release_payload(each)
+        raise
+    finally:
+        release_payload(payload)  # the receivers' names are all that is left
+    return out
+
+
+def _link_segment(path: str) -> str:
+    """Another name for segment ``path``, of the same form (see :func:`_create_segment`)."""
+    name = f"{segment_prefix()}{_owner()}-{next(_counter)}-{os.urandom(4).hex()}"
+    link = os.path.join(os.path.dirname(path), name)
+    os.link(path, link)
+    _remember(link)
+    return link
+
+
+def _rename_ref(data: bytes, path: str, name: str) -> bytes:
+    """Pickle ``data`` with its reference to segment ``path`` naming ``name`` instead,
+    as a segment that other receivers share."""
+    ref = re.compile(re.escape(_LOAD_SEGMENT + _str_op(path) + pickle.BININT1) + b"(.)", re.S)
+
+    def shared(m: re.Match[bytes]) -> bytes:
+        return _LOAD_SEGMENT + _str_op(name) + pickle.BININT1 + bytes((m[1][0] | _SHARED,))
+
+    return ref.sub(shared, data, count=1)
+
+
 def _segment_refs(data: bytes | memoryview) -> list[str]:
     """The segment paths that pickle ``data`` (from :func:`dumps`) loads."""
     view = memoryview(data).cast("B")
@@ -607,7 +663,7 @@ def _segment_refs(data: bytes | memoryview) -> list[str]:
             n > 4096
             or bytes(view[end : end + 1]) != pickle.BININT1
             or bytes(view[end + 2 : end + 4]) != pickle.TUPLE2 + pickle.REDUCE
-            or view[end + 1] > _READONLY
+            or view[end + 1] > (_READONLY | _SHARED)
         ):
             continue
         try:
@@ -769,13 +825,15 @@ def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:
             f"shared-memory segment {path} is gone: its sender released it (it exited or"
             " closed its runtime), or this payload was already loaded once"
         ) from None
+    shared, kind = kind & _SHARED, kind & ~_SHARED
     try:
         with contextlib.suppress(FileNotFoundError):  # its sender releasing it now
             os.unlink(path)
         size = os.fstat(fd).st_size
         if kind == _BYTES or kind == _BYTEARRAY:
             return _read_all(fd, size, kind)
-        mem = mmap.mmap(fd, size)
+        # bytes that other receivers map too: what this one writes stays its own
+        mem = mmap.mmap(fd, size, access=mmap.ACCESS_COPY if shared else mmap.ACCESS_WRITE)
     finally:
         os.close(fd)
     # The mapping lives as long as a view of it does (numpy's .base, torch's storage).

@@ -194,15 +194,23 @@ class MeshEndpoint(Generic[P, R]):
         shm: bool = True,
     ) -> Payloads:
         """The arguments for ``targets``, pickled: one payload for all, or one per
-        target rank when some are scattered. ``shm``: a payload for one receiver on
-        this host may put large buffers in shared memory (never for casts)."""
+        target rank when some are scattered or go through shared memory. ``shm``:
+        large buffers for receivers on this host may go through shared memory (never
+        for casts, whose sender cannot tell when they were loaded)."""
         self._desc.bind_check(args, kwargs)
         keys = _scattered(args, kwargs)
         if keys:
             return self._encode_each(args, kwargs, keys, targets, shm)
-        # one receiver on this host: large buffers may go through shared memory
-        shm = shm and len(targets) == 1 and is_local(next(iter(targets.values())))
-        return self._dump_args(args, kwargs, shm)
+        # receivers on this host: large buffers may go through shared memory
+        shm = shm and all(is_local(addr) for addr in targets.values())
+        payload = self._dump_args(args, kwargs, shm)
+        if len(targets) == 1 or not payload.segments:
+            return payload
+        # several receivers: written once, each maps it by a name of its own
+        try:
+            return _codec.for_receivers(payload, list(targets))
+        except OSError:
+            return self._dump_args(args, kwargs, False)
 
     def _encode_each(
         self,
