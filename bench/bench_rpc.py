@@ -19,7 +19,7 @@ is N concurrent round trips to N servers. The baseline client always runs on asy
 Reading the table: the ``amesh/pynng`` column is the ratio of the two figures. For
 latencies it is the slowdown (2.0 = amesh takes twice as long per call); for throughput
 below 1.0 means amesh completes fewer calls per second. A round trip includes waking
-the other process, ~40 us per hop across the two CPUs of this VM (see FACTS.md), and
+the other process, ~40 us per hop across the two CPUs of this VM (a pipe ping-pong), and
 NNG's own thread hand-offs; ``--cpus 0`` (like ``taskset -c 0``) pins this process and
 every child to one CPU to compare. amesh uses its default transport (abstract sockets
 on Linux); the baseline uses ``ipc://`` files. Figures move by tens of percent between

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from amesh import _config
+
 pytest_plugins = ["amesh.testing.pytest_plugin"]
 
 
@@ -31,6 +33,29 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         del os.environ["AMESH_STATE_DIR"]
     else:
         os.environ["AMESH_STATE_DIR"] = old
+
+
+class _MonkeyPatch(pytest.MonkeyPatch):
+    """``monkeypatch`` whose changes to ``AMESH_*`` variables reach amesh's settings,
+    which it reads once per process (even after the test's first use of amesh)."""
+
+    def setenv(self, name: str, value: str, prepend: str | None = None) -> None:
+        super().setenv(name, value, prepend)
+        if name.startswith("AMESH_"):
+            _config.reset(overrides=False)
+
+    def delenv(self, name: str, raising: bool = True) -> None:
+        super().delenv(name, raising)
+        if name.startswith("AMESH_"):
+            _config.reset(overrides=False)
+
+
+@pytest.fixture
+def monkeypatch() -> Iterator[pytest.MonkeyPatch]:
+    patch = _MonkeyPatch()
+    yield patch
+    patch.undo()
+    _config.reset(overrides=False)
 
 
 @pytest.fixture(autouse=True)

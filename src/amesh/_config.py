@@ -305,27 +305,27 @@ def _text(value: Any) -> str:
 
 
 _overrides: dict[str, Any] = {}
-_cache: tuple[tuple[str | None, ...], Settings] | None = None
+_cache: Settings | None = None
 
 
 def settings() -> Settings:
-    """This process's settings: its ``AMESH_*`` variables, parsed at first use (and
-    again when one changes), under those given to :func:`configure`.
+    """This process's settings: its ``AMESH_*`` variables, parsed once, at first use,
+    under those given to :func:`configure` (which parses them again). A variable set
+    later in this process counts only after :func:`reset`.
 
     Raises:
         ConfigError: a variable has a bad value.
     """
     global _cache
-    seen = tuple(map(os.environ.get, _VARS))
-    if _cache is not None and _cache[0] == seen:
-        return _cache[1]
+    current = _cache
+    if current is not None:
+        return current
     values = {
         name: _parse(name, raw)
-        for name, raw in zip(_FIELDS, seen)
+        for name, raw in zip(_FIELDS, map(os.environ.get, _VARS))
         if raw and name not in _overrides
     }
-    current = Settings(**values, **_overrides)
-    _cache = (seen, current)
+    current = _cache = Settings(**values, **_overrides)
     return current
 
 
@@ -353,8 +353,9 @@ def configure(**values: Any) -> None:
 
 
 def reset(*, overrides: bool = True) -> None:
-    """Forget the parsed settings (the next :func:`settings` reads the environment),
-    and unless not ``overrides``, those given to :func:`configure` (for tests)."""
+    """Forget the parsed settings (the next :func:`settings` reads the environment
+    again: after a change to it in this process), and unless not ``overrides``, those
+    given to :func:`configure` (for tests)."""
     global _cache
     _cache = None
     if overrides:

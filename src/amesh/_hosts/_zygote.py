@@ -71,6 +71,7 @@ import anyio
 import msgspec
 
 from .._bootstrap import Bootstrap
+from .._config import reset as reset_settings
 from .._config import settings, take_internal
 from .._transport import default_impl
 
@@ -619,6 +620,7 @@ def main() -> None:
     # In a fresh child: become what `python -m amesh._worker` would have been.
     os.environ.clear()
     os.environ.update(req.env)
+    reset_settings()  # the worker's own, from its environment
     os.chdir(req.cwd)
     from .. import _worker
 

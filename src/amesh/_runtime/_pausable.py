@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import anyio
 from greenlet import getcurrent, greenlet
 
-__all__ = ["debugged_here", "run_handler", "wait_off_loop"]
+__all__ = ["awaited_handler", "debugged_here", "run_handler", "wait_off_loop"]
 
 T = TypeVar("T")
 
@@ -51,6 +51,8 @@ class _Handler(greenlet):  # type: ignore[misc]  # greenlet has no stubs for sub
         super().__init__(self._serve)
         #: a debugger session in the handler running now: it ends with the handler
         self.debugger: Callable[[], None] | None = None
+        #: what the handler running now returned to be awaited (its coroutine)
+        self.awaiting: Any = None
 
     def _leave(self, request: tuple[int, Any]) -> tuple[int, Any]:
         """Hand ``request`` to the driver and return its answer; a debugger's trace
@@ -79,12 +81,14 @@ class _Handler(greenlet):  # type: ignore[misc]  # greenlet has no stubs for sub
                     self.debugger = None
                     sys.settrace(None)
             del fn, args, kwargs
+            self.awaiting = None
             job = self.parent.switch(ended)
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = fn(*args, **kwargs)
         if not inspect.isawaitable(result):
             return result
+        self.awaiting = result
         steps = result.__await__()
         kind: int = _SEND
         value: Any = None
@@ -108,16 +112,26 @@ _idle = _Idle()
 
 
 class _Pass:
-    """Awaiting it yields ``value`` to the event loop, as the handler's coroutine did,
-    and returns what the loop sends back (or raises what it throws)."""
+    """Awaiting it yields ``value`` to the event loop, as the coroutine of ``handler``
+    did, and returns what the loop sends back (or raises what it throws)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("handler", "value")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, handler: _Handler) -> None:
         self.value = value
+        self.handler = handler
 
     def __await__(self) -> Generator[Any, Any, Any]:
         return (yield self.value)
+
+
+def awaited_handler(awaiting: Any) -> Any:
+    """The coroutine of the handler that ``awaiting`` (the innermost awaitable of a
+    task's chain) passes the waits of, if it is one: what a stack shows below it."""
+    frame = getattr(awaiting, "gi_frame", None)
+    if frame is None or frame.f_code is not _Pass.__await__.__code__:
+        return None
+    return frame.f_locals["self"].handler.awaiting
 
 
 async def run_handler(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -138,7 +152,7 @@ async def run_handler(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> A
                 with anyio.CancelScope(shield=True):
                     answer: tuple[int, Any] = (_SEND, await anyio.to_thread.run_sync(value))
             else:
-                answer = (_SEND, await _Pass(value))
+                answer = (_SEND, await _Pass(value, g))
         except BaseException as exc:  # the handler's coroutine decides what it means
             answer = (_THROW, exc)
         kind, value = g.switch(answer)

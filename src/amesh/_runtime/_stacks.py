@@ -12,6 +12,8 @@ from typing import Any
 
 import sniffio
 
+from ._pausable import awaited_handler
+
 __all__ = ["format_stacks"]
 
 
@@ -51,7 +53,9 @@ def _await_frames(coro: Any) -> Iterator[tuple[FrameType, int]]:
         if frame is None:
             return
         yield frame, frame.f_lineno
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        below = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        # a handler's coroutine runs in a greenlet of its own, its waits passed on
+        coro = below if below is not None else awaited_handler(coro)
 
 
 def _trio_tasks(out: io.StringIO) -> None:
@@ -59,7 +63,8 @@ def _trio_tasks(out: io.StringIO) -> None:
 
     for task in _trio_walk(trio.lowlevel.current_root_task()):
         out.write(f"--- task {task.name}\n")
-        out.write("".join(traceback.StackSummary.extract(task.iter_await_frames()).format()))
+        stack = traceback.StackSummary.extract(_await_frames(task.coro))
+        out.write("".join(stack.format()))
 
 
 def _trio_walk(task: Any) -> Iterator[Any]:

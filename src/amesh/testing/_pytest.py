@@ -1,7 +1,8 @@
 """pytest fixtures for testing code that uses amesh.
 
 Enable with ``pytest_plugins = ["amesh.testing.pytest_plugin"]`` in a conftest.py, then
-request ``amesh_no_leaks`` (or make it autouse in your conftest).
+request ``amesh_no_leaks`` (or make it autouse in your conftest). ``amesh_settings``
+is autouse: each test reads amesh's settings afresh.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from .._config import reset as reset_settings
 from ._leaks import no_leaks
 
-__all__ = ["amesh_no_leaks", "pytest_configure", "pytest_unconfigure"]
+__all__ = ["amesh_no_leaks", "amesh_settings", "pytest_configure", "pytest_unconfigure"]
 
 _OWN_DIRS: list[tuple[str, str]] = []  # (environment variable, directory we made)
 
@@ -46,6 +48,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         var, path = _OWN_DIRS.pop()
         shutil.rmtree(path, ignore_errors=True)
         os.environ.pop(var, None)
+
+
+@pytest.fixture(autouse=True)
+def amesh_settings() -> Iterator[None]:
+    """Each test starts from the settings of its environment: amesh reads its
+    ``AMESH_*`` variables once per process, so a test that sets them (before its first
+    use of amesh) and those after it see what they set, and :func:`amesh.configure`
+    in one test does not reach the next."""
+    reset_settings()
+    yield
+    reset_settings()
 
 
 @pytest.fixture

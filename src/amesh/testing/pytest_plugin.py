@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ._pytest import amesh_no_leaks, pytest_configure, pytest_unconfigure
+from ._pytest import amesh_no_leaks, amesh_settings, pytest_configure, pytest_unconfigure
 
-__all__ = ["amesh_no_leaks", "pytest_configure", "pytest_unconfigure"]
+__all__ = ["amesh_no_leaks", "amesh_settings", "pytest_configure", "pytest_unconfigure"]
