@@ -11,7 +11,6 @@ through a whole frame: encoded, then delivered joined or through the stream read
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import random
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from amesh import _codec, _wire
+from amesh import _codec, _wire, configure
 from amesh._transport._stream_wire import HEADER, HLEN, Buf, Reader, byte_view
 
 pytestmark = pytest.mark.timeout(120)
@@ -391,15 +390,11 @@ def test_frames_round_trip(value: Any, kind: str, data: st.DataObject) -> None:
 
 @contextlib.contextmanager
 def shm_threshold(n: int) -> Iterator[None]:
-    old = os.environ.get("AMESH_SHM_THRESHOLD")
-    os.environ["AMESH_SHM_THRESHOLD"] = str(n)
+    configure(shm_threshold=n)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["AMESH_SHM_THRESHOLD"]
-        else:
-            os.environ["AMESH_SHM_THRESHOLD"] = old
+        configure(shm_threshold=None)
 
 
 @settings(EXAMPLES, max_examples=60)

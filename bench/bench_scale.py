@@ -1,0 +1,244 @@
+"""Scale on one machine: meshes of 16 to 1,024 worker processes, and a 4,096-rank mesh of
+in-process workers.
+
+For each size N (``--sizes``), in a fresh process of its own (``amesh.run``, default
+settings: event-loop streams, fan-out 16):
+
+- ``spawn_s``: ``ProcMesh(per_host={"procs": N})`` entered, an actor spawned on every
+  process, and a first ``call()`` answered by all: from nothing to N answers;
+- ``call_p50_ms`` / ``call_p99_ms``: ``call()`` of a no-op endpoint to all N ranks
+  (``--calls`` of them, after 3 warm-up calls);
+- ``floor_ms``: the CPU floor of such a call on this machine: the CPU time the whole
+  process tree spent per call (user + system, from ``/proc``), divided by the CPUs
+  (``os.cpu_count()``), i.e. what the call would take if every CPU did nothing else;
+- ``bcast_per_s``: broadcast deliveries per second (``--casts`` broadcasts to all N
+  ranks, then a call that sees every one delivered);
+- ``pss_mib_per_worker``: PSS of the workers (``/proc/<pid>/smaps_rollup``) divided by N.
+
+Then a 4,096-rank mesh of in-process workers (``amesh.testing.InProcessHost`` on the
+memory transport): the frames the controller sends per broadcast and per ``call()``
+(the relay tree: O(fan-out)), and the time of one ``call()`` through the tree.
+
+Run: ``.venv/bin/python bench/bench_scale.py [--sizes 16,64,256,1024] [--json]``.
+1,024 processes take a few GiB of memory and most of a minute on 2 CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu(root: int) -> float:
+    """CPU seconds (user + system) of ``root`` and its live descendants."""
+    total = 0
+    for pid in [root, *_descendants(root)]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLK
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _pss_mib(pids: list[int]) -> float:
+    kib = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        kib += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return kib / 1024
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
+    import amesh
+
+    class Node(amesh.Actor):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        @amesh.endpoint
+        def noop(self) -> None:
+            return None
+
+        @amesh.endpoint
+        def bump(self) -> None:
+            self.seen += 1
+
+        @amesh.endpoint
+        def count(self) -> int:
+            return self.seen
+
+    async def main() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        async with amesh.ProcMesh(per_host={"procs": n}) as procs:
+            nodes = await procs.spawn("nodes", Node)
+            await nodes.noop.call()
+            spawn = time.perf_counter() - t0
+            for _ in range(3):
+                await nodes.noop.call()
+            me = os.getpid()
+            cpu0 = _tree_cpu(me)
+            samples = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                await nodes.noop.call()
+                samples.append(time.perf_counter() - t)
+            cpu = (_tree_cpu(me) - cpu0) / calls
+            t = time.perf_counter()
+            for _ in range(casts):
+                await nodes.bump.broadcast()
+            counts = (await nodes.count.call()).values()
+            cast_s = time.perf_counter() - t
+            if counts != [casts] * n:
+                raise AssertionError("a broadcast was lost")
+            pss = _pss_mib(list(procs.pids)) / n
+        return {
+            "n": n,
+            "spawn_s": spawn,
+            "call_p50_ms": _pct(samples, 0.5) * 1e3,
+            "call_p99_ms": _pct(samples, 0.99) * 1e3,
+            "cpu_per_call_ms": cpu * 1e3,
+            "floor_ms": cpu / (os.cpu_count() or 1) * 1e3,
+            "bcast_per_s": casts * n / cast_s,
+            "pss_mib_per_worker": pss,
+        }
+
+    result: dict[str, Any] = amesh.run(main)
+    return result
+
+
+def _in_process(n: int, fanout: int) -> dict[str, Any]:
+    import anyio
+
+    import amesh
+    from amesh.testing import InProcessHost, MemoryTransport, open_runtime
+
+    class Node(amesh.Actor):
+        @amesh.endpoint
+        def noop(self) -> None:
+            return None
+
+    async def main() -> dict[str, Any]:
+        async with open_runtime(MemoryTransport()) as rt:
+            async with InProcessHost().spawn_procs({"procs": n}, fanout=fanout) as procs:
+                nodes = await procs.spawn("nodes", Node)
+                await nodes.noop.call()
+                s0 = rt.statistics().frames_sent
+                await nodes.noop.broadcast()
+                s1 = rt.statistics().frames_sent
+                times = []
+                for _ in range(5):
+                    t = time.perf_counter()
+                    await nodes.noop.call()
+                    times.append(time.perf_counter() - t)
+                s2 = rt.statistics().frames_sent
+        return {
+            "n": n,
+            "fanout": fanout,
+            "frames_per_cast": s1 - s0,
+            "frames_per_call": (s2 - s1) / 5,
+            "call_ms": _pct(times, 0.5) * 1e3,
+        }
+
+    result: dict[str, Any] = anyio.run(main)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16,64,256,1024")
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--casts", type=int, default=100)
+    parser.add_argument("--in-process", type=int, default=4096)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--one-in-process", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(_one_size(args.one, args.calls, args.casts)), flush=True)
+        return
+    if args.one_in_process:
+        print("RESULT " + json.dumps(_in_process(args.one_in_process, 16)), flush=True)
+        return
+    rows = []
+    jobs = [["--one", s] for s in args.sizes.split(",")]
+    if args.in_process:
+        jobs.append(["--one-in-process", str(args.in_process)])
+    for flag, value in jobs:
+        argv = [sys.executable, __file__, flag, value, "--calls", str(args.calls)]
+        argv += ["--casts", str(args.casts)]
+        out = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=900)
+        found = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if not found:
+            print(out.stderr[-2000:], file=sys.stderr)
+            rows.append({"n": int(value), "error": out.returncode})
+            continue
+        rows.append(json.loads(found[0][len("RESULT ") :]))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{os.cpu_count()} CPUs; default settings (fan-out 16)")
+    print(
+        "| processes | spawn + first answer (s) | call() to all p50 / p99 (ms) | CPU per "
+        "call (ms) | floor (ms) | broadcast deliveries/s | PSS per worker (MiB) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "spawn_s" not in r:
+            continue
+        print(
+            f"| {r['n']} | {r['spawn_s']:.2f} | {r['call_p50_ms']:.1f} / {r['call_p99_ms']:.1f} "
+            f"| {r['cpu_per_call_ms']:.1f} | {r['floor_ms']:.1f} | {r['bcast_per_s']:,.0f} "
+            f"| {r['pss_mib_per_worker']:.1f} |"
+        )
+    for r in rows:
+        if "frames_per_cast" in r:
+            print(
+                f"\nin-process mesh of {r['n']} ranks, fan-out {r['fanout']}: the controller "
+                f"sends {r['frames_per_cast']} frames per broadcast and "
+                f"{r['frames_per_call']:.0f} per call(); one call() takes {r['call_ms']:.1f} ms"
+            )
+        elif "error" in r:
+            print(f"\n{r['n']}: failed (exit {r['error']})")
+
+
+if __name__ == "__main__":
+    main()
