@@ -64,12 +64,14 @@ def test_a_bad_variable_fails_where_a_mesh_is_made(monkeypatch: pytest.MonkeyPat
         ProcMesh()
 
 
-def test_settings_are_parsed_once_and_again_when_a_variable_changes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_settings_are_parsed_once_until_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AMESH_FANOUT", "8")
     first = _config.settings()
     assert first.fanout == 8 and _config.settings() is first
+    os.environ["AMESH_FANOUT"] = "4"  # behind amesh's back: not read again...
+    assert _config.settings() is first
+    _config.reset(overrides=False)  # ...until reset (tests/conftest.py's monkeypatch does)
+    assert _config.settings().fanout == 4
     monkeypatch.setenv("AMESH_FANOUT", "4")
     assert _config.settings().fanout == 4
     monkeypatch.delenv("AMESH_FANOUT")
@@ -145,6 +147,22 @@ def test_explicit_zero_heartbeats_are_refused_not_replaced() -> None:
     amesh.configure(heartbeat_period=2.0, heartbeat_timeout=9.0)
     procs = ProcMesh(heartbeat_period=1.0)
     assert (procs._hb_period, procs._hb_timeout) == (1.0, 9.0)
+
+
+def test_unset_heartbeats_stretch_with_the_mesh_and_set_ones_do_not() -> None:
+    assert (ProcMesh(per_host={"procs": 256})._hb_period, _config.heartbeats(256)) == (
+        0.5,
+        (0.5, 5.0),
+    )
+    big = ProcMesh(per_host={"hosts": 4, "procs": 256})
+    assert (big._hb_period, big._hb_timeout) == (2.0, 8.0)  # 512 beats a second
+    assert _config.heartbeats(1024, period=0.5) == (0.5, 5.0)  # given: as given
+    amesh.configure(heartbeat_period=0.25)
+    assert _config.heartbeats(4096) == (0.25, 5.0)  # set: as set
+    amesh.configure(heartbeat_period=None, heartbeat_timeout=3.0)
+    assert _config.heartbeats(4096) == (8.0, 3.0)  # refused by ProcMesh: not < timeout
+    with pytest.raises(ValueError, match=r"got 8\.0 and 3\.0"):
+        ProcMesh(per_host={"procs": 4096})
 
 
 def test_values_round_trip_through_the_environment() -> None:

@@ -34,6 +34,8 @@ __all__ = [
     "debug",
     "default_transport",
     "exported",
+    "heartbeats",
+    "is_set",
     "loop_options",
     "reset",
     "settings",
@@ -129,12 +131,17 @@ class Settings:
         says="0 (no relay tree) or an integer >= 2",
     )
     heartbeat_period: float = _setting(
-        0.5, "Seconds between a worker's heartbeats (`ProcMesh(heartbeat_period=)`).", above=0
+        0.5,
+        "Seconds between a worker's heartbeats (`ProcMesh(heartbeat_period=)`). Unset, a "
+        "mesh of N > 256 processes takes N/512 s, so that its controller hears at most "
+        "about 512 heartbeats a second.",
+        above=0,
     )
     heartbeat_timeout: float = _setting(
         5.0,
         "A worker silent this many seconds is declared failed and killed "
-        "(`ProcMesh(heartbeat_timeout=)`); more than the period.",
+        "(`ProcMesh(heartbeat_timeout=)`); more than the period. Unset, at least 4 "
+        "periods.",
         above=0,
     )
     send_window: int = _setting(
@@ -360,6 +367,35 @@ def reset(*, overrides: bool = True) -> None:
     _cache = None
     if overrides:
         _overrides.clear()
+
+
+#: an unset heartbeat period stretches past this many processes in one mesh
+HEARTBEATS_PER_SECOND = 512
+
+
+def heartbeats(
+    processes: int, period: float | None = None, timeout: float | None = None
+) -> tuple[float, float]:
+    """``(period, timeout)`` of the heartbeats of a mesh of ``processes``: the values
+    given (a ProcMesh's arguments), else those set (:func:`configure`, ``AMESH_*``),
+    else defaults that keep the controller's load bounded: a period of at least
+    ``processes / 512`` s (0.5 s up to 256 processes) and a timeout of at least 4
+    periods (5 s up to 1.25 s periods)."""
+    config = settings()
+    if period is None:
+        period = config.heartbeat_period
+        if not is_set("heartbeat_period"):
+            period = max(period, processes / HEARTBEATS_PER_SECOND)
+    if timeout is None:
+        timeout = config.heartbeat_timeout
+        if not is_set("heartbeat_timeout"):
+            timeout = max(timeout, 4 * period)
+    return period, timeout
+
+
+def is_set(name: str) -> bool:
+    """Whether setting ``name`` was given (:func:`configure`, or its variable)."""
+    return name in _overrides or bool(os.environ.get(_var(name)))
 
 
 def exported() -> dict[str, str]:

@@ -40,7 +40,7 @@ from anyio.abc import TaskGroup
 from . import _codec, _reload
 from ._actor import Actor
 from ._actor_mesh import ActorMesh
-from ._config import default_transport, settings
+from ._config import default_transport, heartbeats, settings
 from ._endpoint import unpicklable
 from ._errors import ActorError, Failure, SupervisionError
 from ._mesh import _registry
@@ -88,12 +88,14 @@ class ProcMesh(MeshView):
             async); return True when handled. Without it, failures go to the owning
             actor's ``__supervise__``, or escalate.
         heartbeat_period: seconds between a worker's heartbeats
-            (``AMESH_HEARTBEAT_PERIOD``, default 0.5).
+            (``AMESH_HEARTBEAT_PERIOD``, default 0.5; unset, N/512 for a mesh of N >
+            256 processes, so the controller hears about 512 a second at most).
         heartbeat_timeout: a worker silent this long is declared failed and killed
-            (``AMESH_HEARTBEAT_TIMEOUT``, default 5). A heartbeat proves that the
-            process is scheduled (not stopped, not frozen) and that its main thread is
-            not stuck in the kernel, not that its event loop makes progress: a handler
-            busy in Python or in a long C call is alive (see :mod:`amesh._worker`).
+            (``AMESH_HEARTBEAT_TIMEOUT``, default 5; unset, at least 4 periods). A
+            heartbeat proves that the process is scheduled (not stopped, not frozen)
+            and that its main thread is not stuck in the kernel, not that its event
+            loop makes progress: a handler busy in Python or in a long C call is alive
+            (see :mod:`amesh._worker`).
         fanout: calls and broadcasts to a mesh of more than ``fanout`` processes go
             down a relay tree of the workers with this fan-out, and replies come back
             up it in batches (``AMESH_FANOUT``, default 16; 0 sends to every rank
@@ -161,9 +163,8 @@ class ProcMesh(MeshView):
         self._group: int = getattr(self._host, "per_host", 0)
         self._env = dict(env or {})
         self._supervise = supervise
-        self._hb_period = config.heartbeat_period if heartbeat_period is None else heartbeat_period
-        self._hb_timeout = (
-            config.heartbeat_timeout if heartbeat_timeout is None else heartbeat_timeout
+        self._hb_period, self._hb_timeout = heartbeats(
+            len(self._shape), heartbeat_period, heartbeat_timeout
         )
         if not 0 < self._hb_period < self._hb_timeout:
             raise ValueError(

@@ -621,8 +621,10 @@ class _Pipes:
     def _drain(self, r: int) -> bool:
         """Take what the pipe holds now; True at its end."""
         capture = self._capture
-        stream = self._ends[r]
         with self._lock:
+            stream = self._ends.get(r)
+            if stream is None:  # closed by stop(), which gave up waiting for us
+                return True
             while True:
                 try:
                     data = os.read(r, 65536)
@@ -641,9 +643,10 @@ class _Pipes:
             os.dup2(saved, fd)
             os.close(saved)
         self._saved.clear()
-        for r in self._ends:
-            os.close(r)
-        self._ends.clear()
+        with self._lock:  # the thread may still be draining (a loaded machine)
+            for r in self._ends:
+                os.close(r)
+            self._ends.clear()
         for fd in (self._stop_r, self._stop_w):
             if fd >= 0:
                 os.close(fd)
