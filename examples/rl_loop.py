@@ -114,6 +114,8 @@ class Learner(amesh.Actor):
         self.opt.step()
         self.version += 1
         state = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        # a call to every generator: tensors of 1 MiB or more are written once into
+        # shared memory that the generators of this host all map (not once per rank)
         await self.generators.set_weights.call(state, self.version)
         return self.version
 

@@ -2,10 +2,10 @@
 in code (:func:`configure`), validated in one place.
 
 :class:`Settings` has one field per user-facing setting; its variable is ``AMESH_``
-and the field's name in capitals. :func:`settings` parses the environment at first
-use and again only when one of those variables changes (a test's ``monkeypatch``, a
-zygote's child taking its own environment); values given to :func:`configure` win over
-the environment, and :func:`exported` hands them to the worker processes, which read
+and the field's name in capitals. :func:`settings` parses the environment once, at
+first use, and again after :func:`reset` (a zygote's child taking its own environment,
+the test plugin between tests); values given to :func:`configure` win over the
+environment, and :func:`exported` hands them to the worker processes, which read
 their own environment. A bad value raises :class:`ConfigError`, which names the
 variable (or the setting) and the value.
 
@@ -46,6 +46,7 @@ __all__ = [
 #: Variables amesh sets for its own children, never settings of a user.
 INTERNAL = (
     "AMESH_DEBUG_LISTENER",
+    "AMESH_DEBUG_RELAYED",
     "AMESH_OUTPUT_LABEL",
     "AMESH_OUTPUT_RANK",
     "AMESH_WORKER_BACKEND",

@@ -57,6 +57,7 @@ import anyio
 from anyio.from_thread import run as run_on_loop
 from anyio.lowlevel import EventLoopToken, current_token
 
+from ._config import take_internal
 from ._runtime._context import call_context
 from ._runtime._pausable import debugged_here, wait_off_loop
 from ._runtime._session import bridged
@@ -475,7 +476,7 @@ def debug_env(files: Callable[[], Path], relayed: bool = False) -> dict[str, str
     controller's user reaches through us; the worker says itself that it paused (in
     its output, which reaches the controller)."""
     global _listener
-    if os.environ.get(DEBUG_ENV):
+    if take_internal(DEBUG_ENV, keep=True):
         return {}
     with _listener_lock:
         if _listener is None:
@@ -597,7 +598,7 @@ def breakpointhook(*args: Any, **kwargs: Any) -> Any:
     if os.environ.get("PYTHONBREAKPOINT"):
         return sys.__breakpointhook__(*args, **kwargs)
     frame = sys._getframe(1)
-    address = os.environ.get(DEBUG_ENV)
+    address = take_internal(DEBUG_ENV, keep=True)
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     if not address:
         print(
@@ -612,7 +613,7 @@ def breakpointhook(*args: Any, **kwargs: Any) -> Any:
     except (OSError, ValueError, Refused) as exc:
         print(f"amesh: breakpoint() at {where} skipped: {exc}", file=sys.stderr, flush=True)
         return None
-    if os.environ.get(RELAYED_ENV):  # the listener is a host agent's, not the controller's
+    if take_internal(RELAYED_ENV, keep=True):  # a host agent's listener, not the controller's
         info = _where(frame)
         print(
             f"amesh: {_title(info)} paused (pid {info['pid']} on {info['host']}): attach "
@@ -863,7 +864,7 @@ async def debug(timeout: float | None = None) -> bool:
     Raises:
         RuntimeError: this controller has started no worker yet.
     """
-    address = _listener.address if _listener is not None else os.environ.get(DEBUG_ENV)
+    address = _listener.address if _listener is not None else take_internal(DEBUG_ENV, keep=True)
     remotes = _remote_debuggers()
     if not address and not remotes:
         raise RuntimeError("amesh.debug(): no worker was started here, nothing to debug")
