@@ -25,8 +25,8 @@ What is measured (a 64-byte ``bytes`` payload that every actor echoes, unless no
   and skipped when the memory that 16 processes took says 64 would not fit);
 * broadcast: fire-and-forget to 16 actors, repeated, then a barrier (every actor's
   count of messages, polled until all arrived): deliveries per second;
-* echo of 1 KiB, 1 MiB and 64 MiB (not with ``--quick``): GB/s, payload bytes out and
-  back over the median round trip;
+* echo of 1 KiB, 1 MiB, 16 MiB and 64 MiB (64 MiB not with ``--quick``): GB/s,
+  payload bytes out and back over the median round trip;
 * spawn of 1, 4 and 16 processes with an actor in each, until every actor answered a
   call (s); a runtime's own start (``ray.init``) is not included (JSON: ``setup_s``);
 * memory with the 16 processes up: PSS of the driver and all its descendants (MiB).
@@ -145,7 +145,7 @@ MESH = 16
 BIG_MESH = 64
 CALL_SIZES = (1, 4, 16, BIG_MESH)
 SPAWN_SIZES = (1, 4, MESH)
-ECHO_SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
+ECHO_SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
 CLOSE_TIMEOUT = 60.0
 #: Memory kept free when deciding whether the 64-process mesh fits (bytes): the machine
 #: may be shared.
@@ -228,7 +228,7 @@ FULL = Plan(
     call_samples=100,
     big_call_samples=30,
     broadcast_rounds=100,
-    echo_reps=(("1KiB", 200), ("1MiB", 30), ("64MiB", 4)),
+    echo_reps=(("1KiB", 200), ("1MiB", 30), ("16MiB", 8), ("64MiB", 4)),
     measure_timeout=120.0,
     spawn_timeout=180.0,
     big_spawn_timeout=400.0,
@@ -242,7 +242,7 @@ QUICK = Plan(
     call_samples=20,
     big_call_samples=0,
     broadcast_rounds=20,
-    echo_reps=(("1KiB", 30), ("1MiB", 5)),
+    echo_reps=(("1KiB", 30), ("1MiB", 5), ("16MiB", 3)),
     measure_timeout=60.0,
     spawn_timeout=120.0,
     big_spawn_timeout=0.0,
