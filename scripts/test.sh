@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run ruff, mypy, the layer check and the whole test suite.
+# Set up (scripts/setup.sh), then run ruff, mypy, the layer check, the docs build, the
+# sanitizer build of the C extension and the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,5 +14,7 @@ echo "== layers (import-linter, see [tool.importlinter] in pyproject.toml)"
 lint-imports --no-logo
 echo "== docs (mkdocs.yml, strict: a broken link or reference fails)"
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir site
+echo "== the C extension under AddressSanitizer and UBSan (scripts/sanitize.sh)"
+bash scripts/sanitize.sh
 echo "== pytest"
 python -m pytest "$@"
