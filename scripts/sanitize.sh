@@ -21,7 +21,8 @@ if [ ! -e "$asan" ]; then
     exit 1
 fi
 so=$(ls "$work"/src/amesh/_ext*.so)
-nm -D "$so" | grep -q __asan_report || { echo "$so is not instrumented" >&2; exit 1; }
+symbols=$(nm -D "$so")  # (not piped into grep -q: pipefail would see nm's SIGPIPE)
+grep -q __asan_report <<< "$symbols" || { echo "$so is not instrumented" >&2; exit 1; }
 export PYTHONPATH="$work/src" LD_PRELOAD="$asan"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
