@@ -221,3 +221,24 @@ def test_rl_loop_reward_rises() -> None:
     assert first < 0.3 and last > first + 0.3, out
     assert "generators report weight version 6" in out, out
     assert "round  6: reward" in out
+
+
+def test_one_backend_for_the_whole_group() -> None:
+    from amesh.torch._setup import pick_backend
+
+    assert pick_backend([1, 1]) == "nccl"
+    # a rank without a device would pick gloo alone and the group would hang
+    assert pick_backend([1, 0]) == "gloo"
+    assert pick_backend([0, 0]) == "gloo"
+
+
+def test_gpus_coordinate_past_the_hosts_devices_is_refused() -> None:
+    from amesh.torch._setup import device_for
+
+    assert device_for(1, None, 2) == "1"
+    with pytest.raises(ValueError, match="coordinate 1 is out of range: this host has 1 CUDA"):
+        device_for(1, None, 1)
+    assert device_for(3, None, 0) == "3"  # no CUDA: the group runs on the CPUs
+    assert device_for(1, "4,6", 8) == "6"
+    with pytest.raises(ValueError, match="inherited CUDA_VISIBLE_DEVICES='4'"):
+        device_for(1, "4", 8)

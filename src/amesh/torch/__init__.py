@@ -62,7 +62,7 @@ import anyio
 from .._actor_mesh import ActorMesh
 from .._errors import ActorError, SupervisionError
 from .._proc_mesh import ProcMesh
-from ._setup import RankEnv, TorchSetup
+from ._setup import RankEnv, TorchSetup, pick_backend
 
 __all__ = ["DistGroup", "init_process_group"]
 
@@ -159,8 +159,8 @@ async def init_process_group(
 
     Args:
         procs: a running ProcMesh (or a view of one).
-        backend: the torch.distributed backend; None picks ``"nccl"`` where the workers
-            have CUDA, else ``"gloo"``.
+        backend: the torch.distributed backend; None picks ``"nccl"`` where every
+            worker sees a CUDA device, else ``"gloo"`` (one backend for all ranks).
         cuda_visible_devices: if ``procs`` has a ``gpus`` dimension, set each worker's
             ``CUDA_VISIBLE_DEVICES`` to its ``gpus`` coordinate (indexing the devices
             the worker inherited, if it inherited ``CUDA_VISIBLE_DEVICES``), so its GPU
@@ -178,7 +178,8 @@ async def init_process_group(
             belong to a default process group.
         ActorError: a worker could not set up or join the group (the remote error says
             why, e.g. a ``gpus`` coordinate outside the inherited
-            ``CUDA_VISIBLE_DEVICES``, or a timeout connecting to the store).
+            ``CUDA_VISIBLE_DEVICES`` or past the host's CUDA devices, or a timeout
+            connecting to the store).
         SupervisionError: a worker process died meanwhile.
     """
     if not isinstance(procs, ProcMesh):
@@ -188,13 +189,15 @@ async def init_process_group(
     setup = await procs.spawn(f"_torch_setup_{uuid.uuid4().hex[:8]}", TorchSetup)
     try:
         described = (await setup.describe.call()).values()
-        busy = [rank for rank, (_, initialized) in enumerate(described) if initialized]
+        busy = [rank for rank, (_, initialized, _) in enumerate(described) if initialized]
         if busy:
             raise RuntimeError(
                 f"ranks {busy} of {procs!r} already belong to a default process group; "
                 "destroy it first (DistGroup.destroy)"
             )
-        hosts = [host for host, _ in described]
+        hosts = [host for host, _, _ in described]
+        if backend is None:
+            backend = pick_backend([count for _, _, count in described])
         one_host = len(set(hosts)) == 1
         master_addr = "127.0.0.1" if one_host else hosts[0]
         rank0 = setup.flatten("rank").slice(rank=0)

@@ -43,8 +43,30 @@ def _visible_device(gpu: int) -> str:
     """
     if not _inherited_cuda_devices:
         _inherited_cuda_devices.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    inherited = _inherited_cuda_devices[0]
+    return device_for(gpu, _inherited_cuda_devices[0], _device_count())
+
+
+def _device_count() -> int:
+    # (counts the devices without initialising CUDA, so CUDA_VISIBLE_DEVICES still works)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_for(gpu: int, inherited: str | None, count: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the ``gpus`` coordinate ``gpu`` of a worker that
+    inherited ``inherited`` (None: unset) and sees ``count`` CUDA devices.
+
+    Raises:
+        ValueError: the coordinate names a device this worker does not have: past the
+            inherited list, or past the host's devices where it has any (a host
+            without CUDA runs the group on its CPUs, whatever the coordinate).
+    """
     if inherited is None:
+        if count and gpu >= count:
+            raise ValueError(
+                f"gpus coordinate {gpu} is out of range: this host has {count} CUDA "
+                "device(s); make the gpus dimension at most that, or pass "
+                "cuda_visible_devices=False"
+            )
         return str(gpu)
     devices = [d.strip() for d in inherited.split(",") if d.strip()]
     if gpu >= len(devices):
@@ -53,6 +75,12 @@ def _visible_device(gpu: int) -> str:
             f"CUDA_VISIBLE_DEVICES={inherited!r}"
         )
     return devices[gpu]
+
+
+def pick_backend(device_counts: list[int]) -> str:
+    """The backend for a group whose ranks see these numbers of CUDA devices: nccl
+    only where every rank has one (a group's ranks must agree, else they hang)."""
+    return "nccl" if device_counts and all(device_counts) else "gloo"
 
 
 class TorchSetup(Actor):
@@ -64,13 +92,14 @@ class TorchSetup(Actor):
         self._initialized = False
 
     @endpoint
-    def describe(self) -> tuple[str, bool]:
-        """``(this host, whether this process already has a default group)``: the
-        host is the address this process listens on when that is tcp (the one other
-        machines reach it at), else the hostname."""
+    def describe(self) -> tuple[str, bool, int]:
+        """``(this host, whether this process already has a default group, the CUDA
+        devices it sees)``: the host is the address this process listens on when that
+        is tcp (the one other machines reach it at), else the hostname."""
         scheme, _, rest = current_runtime().address.partition("://")
         host = rest.rsplit(":", 1)[0].strip("[]") if scheme.endswith("tcp") else ""
-        return host or socket.gethostname(), dist.is_available() and dist.is_initialized()
+        initialized = dist.is_available() and dist.is_initialized()
+        return host or socket.gethostname(), initialized, _device_count()
 
     @endpoint
     def open_store(self, bind_addr: str) -> int:
@@ -98,7 +127,7 @@ class TorchSetup(Actor):
         self,
         envs: list[RankEnv],
         gpus_dim: bool,
-        backend: str | None,
+        backend: str,
         timeout: float | None,
     ) -> str:
         """Set this rank's environment and join the default process group.
@@ -106,7 +135,7 @@ class TorchSetup(Actor):
         Args:
             envs: one environment per rank, indexed by the flat rank.
             gpus_dim: set ``CUDA_VISIBLE_DEVICES`` from this rank's ``gpus`` coordinate.
-            backend: the torch.distributed backend; None picks nccl with CUDA, else gloo.
+            backend: the torch.distributed backend, the same for every rank.
             timeout: seconds for the store and the group's operations (None: torch's).
 
         Returns:
@@ -131,8 +160,6 @@ class TorchSetup(Actor):
                 )
             os.environ["CUDA_VISIBLE_DEVICES"] = device
         os.environ.update(env)
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
         return await anyio.to_thread.run_sync(
             self._join, env, backend, timeout, gpus_dim, abandon_on_cancel=True
         )
