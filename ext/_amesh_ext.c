@@ -33,6 +33,10 @@
  *   It withholds the beats once the main thread has been in uninterruptible
  *   sleep (state D, read from /proc) for longer than it is told.
  *
+ * - cut_frames(): the stream transport's reader (amesh._transport._stream_wire)
+ *   cuts the whole frames out of what a read brought, in one call per read
+ *   rather than a Python loop per frame.
+ *
  * Policy (batch sizes, ring capacity, what an error means, when to wait) is the
  * caller's. Every call that may take an NNG lock runs with the GIL released:
  * pynng's pipe callbacks take the GIL on NNG threads, so holding it across an
@@ -1387,12 +1391,84 @@ ext_finalize(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* ========================================================================== */
+/* Stream framing (the default transport within a host)                        */
+/* ========================================================================== */
+
+/*
+ * cut_frames(buffer, start, end, limit) -> (frames, pos, size)
+ *
+ * The stream transport's frames are a 4-byte little-endian length and that many
+ * bytes. This cuts every whole frame out of buffer[start:end] into a bytes object
+ * of its own (frames, a list) and stops at the first frame that is incomplete or
+ * announces more than limit bytes: pos is where that one starts (end if none is
+ * left), size the length it announces, or -1 when fewer than 4 bytes are left.
+ * What to do then (wait for more, memory of its own for a large frame, refuse the
+ * peer, move the rest to the front) is the caller's.
+ */
+static PyObject *
+ext_cut_frames(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "cut_frames(buffer, start, end, limit)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t end = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    if ((start == -1 || end == -1 || limit == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *frames = NULL;
+    if (start < 0 || end < start || end > view.len) {
+        PyErr_Format(PyExc_ValueError, "bad range [%zd:%zd] of a buffer of %zd bytes", start,
+                     end, view.len);
+        goto done;
+    }
+    frames = PyList_New(0);
+    if (frames == NULL) {
+        goto done;
+    }
+    const unsigned char *p = (const unsigned char *)view.buf;
+    Py_ssize_t pos = start, size = -1;
+    while (end - pos >= 4) {
+        const unsigned char *h = p + pos;
+        size = (Py_ssize_t)((uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 |
+                            (uint32_t)h[3] << 24);
+        if (size > limit || end - pos - 4 < size) {
+            break;
+        }
+        PyObject *frame = PyBytes_FromStringAndSize((const char *)h + 4, size);
+        if (frame == NULL || PyList_Append(frames, frame) < 0) {
+            Py_XDECREF(frame);
+            Py_CLEAR(frames);
+            goto done;
+        }
+        Py_DECREF(frame);
+        pos += 4 + size;
+        size = -1;
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(Nnn)", frames, pos, size);
+done:
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyMethodDef ext_methods[] = {
     {"bind", (PyCFunction)ext_bind, METH_O,
      "bind(functions): the addresses of NNG_FUNCTIONS in the loaded NNG."},
     {"send", (PyCFunction)(void (*)(void))ext_send, METH_FASTCALL,
      "send(socket, data): hand a copy of data (a buffer, or an iterable of\n"
      "buffers joined back to back) to NNG without waiting; False if full."},
+    {"cut_frames", (PyCFunction)(void (*)(void))ext_cut_frames, METH_FASTCALL,
+     "cut_frames(buffer, start, end, limit) -> (frames, pos, size): the whole\n"
+     "length-prefixed frames of buffer[start:end] as bytes, where the rest starts,\n"
+     "and the length the next frame announces (-1: fewer than 4 bytes left)."},
     {"finalize", (PyCFunction)ext_finalize, METH_NOARGS,
      "Stop every Receiver and NNG Beat, and make no more NNG calls (run before nng_fini)."},
     {"_wait_uninterruptibly", (PyCFunction)ext_wait_uninterruptibly, METH_O,

@@ -29,4 +29,5 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 # the tests below import this build, and so do the workers they start
 python -c "import amesh._ext as e, sys; sys.exit(e.__file__ != sys.argv[1])" "$so"
 echo "== sanitizers: transport, TLS and wire tests with $so"
-python -m pytest -q -p no:cacheprovider tests/test_transport.py tests/test_tls.py tests/test_wire.py "$@"
+python -m pytest -q -p no:cacheprovider tests/test_transport.py tests/test_tls.py tests/test_wire.py \
+    tests/test_properties_stream.py "$@"

@@ -266,3 +266,23 @@ def test_a_sender_that_ends_leaves_no_segment(end: str) -> None:
         assert len(left) == 2
         assert _codec.remove_segments_of(pid) == 2
     assert shm_files() == set()
+
+
+def test_small_builtin_values_take_the_c_pickler_alone() -> None:
+    """Scalars, short strings and bytes in small containers: one pickle, nothing out of
+    band, loaded back equal; anything else (or anything big) takes the full path."""
+    from amesh._codec import _plain
+
+    dumps, loads = _codec.dumps, _codec.loads
+
+    small = ((1, 2.5, None, True, 3j, "é" * 10, b"x" * 64), {"k": [1, (2, b"")]})
+    assert _plain(small)
+    payload = dumps(small)
+    assert payload.buffers == [] and payload.segments == ()
+    assert loads(payload.data) == small
+    big = b"y" * (1 << 20)
+    assert not _plain((big,))
+    assert [m.nbytes for m in dumps((big,)).buffers] == [len(big)]  # out of band still
+    assert not _plain(({"a": set()},))  # a set, a class instance, ...: cloudpickle
+    assert not _plain(list(range(100)))  # too many nodes to check cheaply
+    assert loads(dumps(list(range(100))).data) == list(range(100))

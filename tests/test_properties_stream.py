@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from amesh import _ext
 from amesh._transport._stream_wire import (
     CHUNK,
     HEADER,
@@ -26,6 +27,7 @@ from amesh._transport._stream_wire import (
     BadStream,
     Buf,
     Reader,
+    cut_frames_py,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,22 +94,28 @@ def feed(reader: Reader, stream: bytes, ends: list[int]) -> None:
             reader.buffer_updated(n)
 
 
-def new_reader(max_frame: int, emit: Callable[[Buf], None]) -> Reader:
+Cut = Callable[[bytearray, int, int, int], tuple[list[bytes], int, int]]
+#: Every test runs with the C extension's frame cutter and with the Python fallback.
+CUTTERS = pytest.mark.parametrize("cut", [_ext.cut_frames, cut_frames_py], ids=["c", "python"])
+
+
+def new_reader(max_frame: int, emit: Callable[[Buf], None], cut: Cut) -> Reader:
     """The one place these tests make a reader (should its constructor change)."""
-    return Reader(max_frame, emit)
+    return Reader(max_frame, emit, cut)
 
 
+@CUTTERS
 @EXAMPLES
 @given(st.lists(frame_size(), max_size=12), st.integers(0, 2**32), st.data())
 def test_frames_come_out_whole_and_in_order(
-    sizes: list[int], seed: int, data: st.DataObject
+    cut: Cut, sizes: list[int], seed: int, data: st.DataObject
 ) -> None:
     frames = make_frames(sizes, seed)
     stream = encode(frames)
     ends = data.draw(cuts(frames), label="read ends")
     event("frames over SMALL" if any(n > SMALL for n in sizes) else "small frames only")
     got: list[tuple[Buf, bytes]] = []
-    reader = new_reader(max(sizes, default=0), lambda f: got.append((f, bytes(f))))
+    reader = new_reader(max(sizes, default=0), lambda f: got.append((f, bytes(f))), cut)
     feed(reader, stream, ends)
     # Each frame as it was delivered, and still now: no frame's memory is reused.
     assert [seen for _, seen in got] == frames
@@ -121,6 +129,7 @@ def test_frames_come_out_whole_and_in_order(
 TIGHT = [CHUNK - SMALL - HLEN, CHUNK - SMALL, CHUNK - HLEN, CHUNK, SMALL]
 
 
+@CUTTERS
 @EXAMPLES
 @given(
     st.sampled_from(TIGHT),
@@ -134,7 +143,7 @@ TIGHT = [CHUNK - SMALL - HLEN, CHUNK - SMALL, CHUNK - HLEN, CHUNK, SMALL]
     st.data(),
 )
 def test_frames_that_straddle_the_buffer_end(
-    where: int, off: int, second: int, more: list[int], data: st.DataObject
+    cut: Cut, where: int, off: int, second: int, more: list[int], data: st.DataObject
 ) -> None:
     # The first read takes the first frame whole and stops inside the second, whose
     # header starts ``where + off`` bytes into the reader's buffer.
@@ -143,12 +152,15 @@ def test_frames_that_straddle_the_buffer_end(
     stream = encode(frames)
     ends = data.draw(st.lists(st.integers(head + 1, len(stream)), min_size=1), label="ends")
     got: list[bytes] = []
-    reader = new_reader(max(len(f) for f in frames), lambda f: got.append(bytes(f)))
+    reader = new_reader(max(len(f) for f in frames), lambda f: got.append(bytes(f)), cut)
     feed(reader, stream, sorted({*ends, len(stream)}))
     assert got == frames
 
 
-def test_every_tight_spot_at_the_buffer_end() -> None:
+@CUTTERS
+def test_every_tight_spot_at_the_buffer_end(
+    cut: Cut,
+) -> None:
     """The cases above, all of them: a header at each offset near a TIGHT spot, a frame
     of about SMALL after it, the first read ending a little way into that frame."""
     for where in TIGHT:
@@ -158,14 +170,19 @@ def test_every_tight_spot_at_the_buffer_end() -> None:
                 stream = encode(frames)
                 for first_read in (head + 1, head + HLEN - 1, head + HLEN, head + HLEN + 1):
                     got: list[bytes] = []
-                    reader = new_reader(2 * CHUNK, lambda f, got=got: got.append(bytes(f)))
+
+                    def emit(f: Buf, got: list[bytes] = got) -> None:
+                        got.append(bytes(f))
+
+                    reader = new_reader(2 * CHUNK, emit, cut)
                     feed(reader, stream, [first_read, len(stream)])
                     assert got == frames, (head, second, first_read)
 
 
+@CUTTERS
 @EXAMPLES
 @given(st.lists(frame_size(100 * KIB), min_size=1, max_size=10), st.data())
-def test_no_frame_after_stopped(sizes: list[int], data: st.DataObject) -> None:
+def test_no_frame_after_stopped(cut: Cut, sizes: list[int], data: st.DataObject) -> None:
     frames = make_frames(sizes, 7)
     stop_after = data.draw(st.integers(1, len(frames)), label="stop after")
     got: list[bytes] = []
@@ -176,7 +193,7 @@ def test_no_frame_after_stopped(sizes: list[int], data: st.DataObject) -> None:
         if len(got) == stop_after:
             reader.stopped = True  # as a protocol does once its connection is lost
 
-    reader = new_reader(100 * KIB, emit)
+    reader = new_reader(100 * KIB, emit, cut)
     stream = encode(frames)
     pos = 0
     for end in data.draw(cuts(frames), label="read ends"):
@@ -189,6 +206,7 @@ def test_no_frame_after_stopped(sizes: list[int], data: st.DataObject) -> None:
     assert got == frames[:stop_after]
 
 
+@CUTTERS
 @EXAMPLES
 @given(
     st.integers(0, 200 * KIB).flatmap(
@@ -205,7 +223,7 @@ def test_no_frame_after_stopped(sizes: list[int], data: st.DataObject) -> None:
     st.data(),
 )
 def test_an_oversize_header_is_refused_before_its_frame_is_allocated(
-    good: tuple[int, list[int], int], after: int, data: st.DataObject
+    cut: Cut, good: tuple[int, list[int], int], after: int, data: st.DataObject
 ) -> None:
     limit, sizes, bad = good
     frames = make_frames(sizes, bad)
@@ -215,7 +233,7 @@ def test_an_oversize_header_is_refused_before_its_frame_is_allocated(
     ends = data.draw(cuts(frames), label="read ends")
     ends += data.draw(st.lists(st.integers(header_end, len(stream)), max_size=4), label="after")
     got: list[bytes] = []
-    reader = new_reader(limit, lambda f: got.append(bytes(f)))
+    reader = new_reader(limit, lambda f: got.append(bytes(f)), cut)
     pos = 0
     for end in sorted({*ends, len(stream)}):
         while pos < end:

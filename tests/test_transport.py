@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pynng
 import pytest
+import sniffio
 
 from amesh import _ext, _wire
 from amesh._transport import (
@@ -27,6 +28,7 @@ from amesh._transport import (
 )
 from amesh._transport import _stream_wire as wire
 from amesh._transport._ext import ExtTransport
+from amesh._transport._frame import Frame
 from amesh._transport._nng import NngTransport, _fresh_address
 from amesh._transport._paths import ipc_dir
 
@@ -37,6 +39,12 @@ class AnyioStreamTransport(StreamTransport):
     """The stream transport's anyio path, also on asyncio."""
 
     fast_asyncio = False
+
+
+class PyStreamTransport(StreamTransport):
+    """The stream transport without the C extension: the pure-Python fallback."""
+
+    accelerated = False
 
 
 class Impl:
@@ -158,6 +166,7 @@ IMPLS = [
     pytest.param(Impl(ExtTransport, False), id="ext"),
     pytest.param(Impl(StreamTransport, True), id="stream"),
     pytest.param(Impl(AnyioStreamTransport, True), id="stream-anyio"),
+    pytest.param(Impl(PyStreamTransport, True), id="stream-python"),
 ]
 
 
@@ -609,6 +618,7 @@ async def test_implementations_interoperate(
     params=[
         pytest.param(StreamTransport, id="stream"),
         pytest.param(AnyioStreamTransport, id="stream-anyio"),
+        pytest.param(PyStreamTransport, id="stream-python"),
     ]
 )
 async def make_stream(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
@@ -617,6 +627,36 @@ async def make_stream(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     yield factory
     for t in factory.made:
         t.close()
+
+
+async def test_a_turns_frames_keep_their_order(make_stream: Factory) -> None:
+    """Small frames written after a turn's first wait for its end (asyncio batches
+    them); a large one sent meanwhile goes after them. On the asyncio protocols, where
+    closing sends what the connection still holds, closing in the same turn sends
+    the frames that waited too."""
+    a, b, inbox = make_stream(), make_stream(), Inbox()
+    big = memoryview(bytearray(b"B" * (256 * 1024)))
+    frames: list[Frame] = []
+    for i in range(200):
+        frames.append(i.to_bytes(4, "little") + b"s" * (i % 50))
+        if i in (7, 150):
+            frames.append([big])
+    expected = [b"B" * len(big) if isinstance(f, list) else f for f in frames]
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.serve, inbox.deliver)
+            await a.send(b.address, b"first")  # connected: later frames go by the link
+            assert await inbox.take(1) == [b"first"]
+            for frame in frames:  # one turn: no await in between
+                assert a.try_send(b.address, frame)
+            big[:1] = b"X"  # the caller may change its buffer once the send returned
+            asyncio = sniffio.current_async_library() == "asyncio"
+            graceful = asyncio and not isinstance(a, AnyioStreamTransport)
+            if graceful:
+                a.close()
+            got = await inbox.take(len(frames))
+            tg.cancel_scope.cancel()
+    assert [bytes(f) for f in got] == expected
 
 
 @pytest.mark.parametrize("scheme", ["abstract", "ipc", "tcp", "auto"])
@@ -928,3 +968,12 @@ async def test_ext_copies_a_large_frame_off_the_event_loop() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_the_default_stream_transport_cuts_frames_in_c() -> None:
+    t = StreamTransport("abstract")
+    try:
+        assert t.reader(lambda frame: None)._cut is _ext.cut_frames
+        assert PyStreamTransport.accelerated is False
+    finally:
+        t.close()

@@ -349,6 +349,40 @@ _IN_FRAME = {
 }
 
 
+#: Types that the C pickler writes exactly as cloudpickle would (no reducer of ours, no
+#: buffer out of band while small): see :func:`_plain`.
+_PLAIN_SCALARS = frozenset({type(None), bool, int, float, complex})
+_PLAIN_NODES = 64
+_PLAIN_BYTES = 4096
+
+
+def _plain(obj: Any) -> bool:
+    """True if ``obj`` is a few builtin scalars, short strings and bytes, in tuples,
+    lists and dicts: then the C pickler alone makes the payload, microseconds sooner
+    than cloudpickle's Python-level pickler (a 64-byte echo's arguments and result)."""
+    budget = _PLAIN_NODES
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        budget -= 1
+        if budget < 0:
+            return False
+        t = type(x)
+        if t in _PLAIN_SCALARS:
+            continue
+        if t is str or t is bytes:
+            if len(x) > _PLAIN_BYTES:
+                return False
+        elif t is tuple or t is list:
+            todo.extend(x)
+        elif t is dict:
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        else:
+            return False
+    return True
+
+
 def dumps(obj: Any, *, shm: bool = False) -> Payload:
     """Pickle ``obj``; large buffers are kept out of band.
 
@@ -361,6 +395,8 @@ def dumps(obj: Any, *, shm: bool = False) -> Payload:
     Raises:
         TypeError: ``obj`` cannot be pickled, with the reason.
     """
+    if _plain(obj):
+        return Payload(pickle.dumps(obj, 5))
     enc = _Encoder(shm_threshold() if shm else 0)
     try:
         try:

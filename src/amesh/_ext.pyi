@@ -25,6 +25,24 @@ def bind(functions: dict[str, int], /) -> None:
         RuntimeError: already bound to other addresses.
     """
 
+def cut_frames(
+    buffer: Buffer, start: int, end: int, limit: int, /
+) -> tuple[list[bytes], int, int]:
+    """Cut the whole frames (a 4-byte little-endian length, then that many bytes) out
+    of ``buffer[start:end]``, each into a ``bytes`` of its own.
+
+    Stops at the first frame that is incomplete or announces more than ``limit``
+    bytes.
+
+    Returns:
+        ``(frames, pos, size)``: the frames, where the rest starts (``end`` if nothing
+        is left), and the length the next frame announces (-1 if fewer than 4 bytes
+        are left).
+
+    Raises:
+        ValueError: ``start``/``end`` do not lie within the buffer.
+    """
+
 def send(socket: int, data: Buffer | Iterable[Buffer], /) -> bool:
     """Copy ``data`` into an NNG message and send it on ``socket`` without waiting.
 

@@ -15,6 +15,7 @@ from .._errors import DeadlockError
 from .._ratelog import RateLimitedLog
 from ._links import Links
 from ._mailbox import ActorInstance, type_name_of
+from ._pausable import LazyScope
 
 __all__ = ["Dispatch"]
 
@@ -39,7 +40,8 @@ class Dispatch:
         #: why recently stopped actors are gone, by key (see :meth:`gone`)
         self._gone: OrderedDict[str, str] = OrderedDict()
         #: (sender, call_id) of requests being handled, and their cancel scopes
-        self.running: dict[tuple[str, int], anyio.CancelScope] = {}
+        #: the cancel scopes of the handlers running now, by request
+        self.running: dict[tuple[str, int], LazyScope] = {}
         #: requests sitting in a mailbox, and those of them cancelled before they ran
         self.queued: set[tuple[str, int]] = set()
         self.cancelled: set[tuple[str, int]] = set()

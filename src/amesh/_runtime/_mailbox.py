@@ -27,7 +27,7 @@ from .. import _codec, _wire
 from .._config import debug
 from ._capture import before_reply
 from ._context import CallContext, call_context, is_local, native_event_class, runtime_var
-from ._pausable import run_handler
+from ._pausable import LazyScope, run_handler_in
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -227,7 +227,7 @@ class ActorInstance:
         self.owned: list[Owned] = []
         self.tg: TaskGroup | None = None
         #: the scopes of the handlers running now, and their endpoints' names
-        self._running: dict[anyio.CancelScope, str] = {}
+        self._running: dict[LazyScope, str] = {}
         self._serial_done: Any = None
         #: 1 while the loop holds a serial message until the running one is done
         self._held = 0
@@ -394,7 +394,8 @@ class ActorInstance:
         where = (env.labels, env.sizes, env.rank)
         ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain)
         token = call_context.set(ctx)
-        scope = ctx.scope = anyio.CancelScope()
+        # made only if the handler waits: until then no cancel can arrive
+        scope = ctx.scope = LazyScope()
         rt.running[key] = scope
         self._running[scope] = env.method
         dest, reply_id, shm = "", 0, False
@@ -406,20 +407,21 @@ class ActorInstance:
         payload: _codec.Payload | None = None
         failure: BaseException | None = None
         try:
-            with scope:
-                if handler is None:
-                    raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
-                args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
-                if handler.thread:
-                    # In a worker thread, which pickles the result too; a cancel
-                    # waits for it to return (the actor stays serial), and
-                    # amesh.cancelled() tells the handler it may stop early.
-                    run = partial(_run_in_thread, handler.fn, self.obj, args, kwargs, is_call, shm)
+            if handler is None:
+                raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
+            args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
+            if handler.thread:
+                # In a worker thread, which pickles the result too; a cancel
+                # waits for it to return (the actor stays serial), and
+                # amesh.cancelled() tells the handler it may stop early.
+                run = partial(_run_in_thread, handler.fn, self.obj, args, kwargs, is_call, shm)
+                with scope.open():
                     result, payload = await anyio.to_thread.run_sync(run)
-                else:
-                    # in a greenlet of its own: a breakpoint() pauses the handler only
-                    result = await run_handler(handler.fn, self.obj, *args, **kwargs)
-                if is_call and payload is None and not cheap_to_pickle(result):
+            else:
+                # in a greenlet of its own: a breakpoint() pauses the handler only
+                result = await run_handler_in(scope, handler.fn, (self.obj, *args), kwargs)
+            if is_call and payload is None and not cheap_to_pickle(result):
+                with scope.open():
                     payload = await anyio.to_thread.run_sync(partial(_codec.dumps, result, shm=shm))
         except Exception as exc:  # any pickling error is the call's, not the process's
             failure = exc

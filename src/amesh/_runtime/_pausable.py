@@ -28,13 +28,21 @@ from typing import Any, TypeVar
 import anyio
 from greenlet import getcurrent, greenlet
 
-__all__ = ["awaited_handler", "debugged_here", "run_handler", "wait_off_loop"]
+__all__ = [
+    "LazyScope",
+    "awaited_handler",
+    "debugged_here",
+    "run_handler",
+    "run_handler_in",
+    "wait_off_loop",
+]
 
 T = TypeVar("T")
 
 #: what a handler's greenlet hands its driver: a value its coroutine yields to the loop,
-#: a blocking function to run in a worker thread, or how the handler ended
-_YIELD, _WAIT, _RETURNED, _RAISED = range(4)
+#: a blocking function to run in a worker thread, that a coroutine is about to start
+#: (the driver opens its cancel scope first), or how the handler ended
+_YIELD, _WAIT, _SCOPE, _RETURNED, _RAISED = range(5)
 #: what the driver hands back: a value to send into the coroutine, or one to throw
 _SEND, _THROW = 0, 1
 #: a handler call: the function, its positional and its keyword arguments
@@ -90,6 +98,8 @@ class _Handler(greenlet):  # type: ignore[misc]  # greenlet has no stubs for sub
             return result
         self.awaiting = result
         steps = result.__await__()
+        # Before its first step enters scopes of its own: the handler's goes outside.
+        self._leave((_SCOPE, None))
         kind: int = _SEND
         value: Any = None
         while True:
@@ -134,9 +144,48 @@ def awaited_handler(awaiting: Any) -> Any:
     return frame.f_locals["self"].handler.awaiting
 
 
+class LazyScope:
+    """A handler's cancel scope, made only once the handler waits.
+
+    Until its first wait a handler runs without giving the event loop a turn, so no
+    cancel can arrive: one that was asked for before (or by the handler itself) is
+    kept in :attr:`cancel_called` and applied to the real scope when it is made. A
+    handler that returns without waiting (most synchronous endpoints) never pays for
+    an anyio scope at all.
+    """
+
+    __slots__ = ("_scope", "cancel_called")
+
+    def __init__(self) -> None:
+        self.cancel_called = False
+        self._scope: anyio.CancelScope | None = None
+
+    def cancel(self) -> None:
+        self.cancel_called = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def open(self) -> anyio.CancelScope:
+        """The real scope for the waits from now on (enter it at once)."""
+        scope = self._scope = anyio.CancelScope()
+        if self.cancel_called:
+            scope.cancel()
+        return scope
+
+
 async def run_handler(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, awaited if it returns an awaitable, in a greenlet of its
     own (see the module doc): a debugger may pause it while the loop goes on."""
+    return await run_handler_in(None, fn, args, kwargs)
+
+
+async def run_handler_in(
+    lazy: LazyScope | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """:func:`run_handler`, the waits (if any) inside ``lazy``'s real scope."""
     idle = _idle.handlers
     g = idle.pop() if idle else _Handler()
     here = getcurrent()
@@ -144,7 +193,39 @@ async def run_handler(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> A
     # the handler sees (and changes) the context of the task that runs it
     g.gr_context = here.gr_context
     kind, value = g.switch((fn, args, kwargs))
-    while kind < _RETURNED:
+    if kind < _SCOPE:  # a debugger paused the synchronous part
+        kind, value = await _drive(g, kind, value)
+    if kind != _SCOPE:  # it returned without waiting: no cancel could reach it
+        return _ended(g, kind, value)
+    if lazy is None:
+        return _ended(g, *await _drive(g, *g.switch((_SEND, None))))
+    with lazy.open():
+        # (raised in here, a cancel of this scope ends at its edge)
+        return _ended(g, *await _drive(g, *g.switch((_SEND, None))))
+    return None  # cancelled: the caller sees lazy.cancel_called
+
+
+def _ended(g: _Handler, kind: int, value: Any) -> Any:
+    """Put ``g`` back for reuse; return what its handler returned or raise what it
+    raised."""
+    g.gr_context = None
+    idle = _idle.handlers
+    if len(idle) < _IDLE_MAX:
+        idle.append(g)
+    else:
+        g.switch(None)  # it ends
+    if kind == _RAISED:
+        try:
+            raise value
+        finally:
+            del value
+    return value
+
+
+async def _drive(g: _Handler, kind: int, value: Any) -> tuple[int, Any]:
+    """Serve the waits of the handler in ``g`` until it ends or its coroutine is about
+    to start; how it ended (or ``_SCOPE``)."""
+    while kind < _SCOPE:
         try:
             if kind == _WAIT:
                 # the paused handler waits for its debugger, however the call fares; a
@@ -156,17 +237,7 @@ async def run_handler(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> A
         except BaseException as exc:  # the handler's coroutine decides what it means
             answer = (_THROW, exc)
         kind, value = g.switch(answer)
-    g.gr_context = None
-    if len(idle) < _IDLE_MAX:
-        idle.append(g)
-    else:
-        g.switch(None)  # it ends
-    if kind == _RAISED:
-        try:
-            raise value
-        finally:
-            del value
-    return value
+    return kind, value
 
 
 def wait_off_loop(fn: Callable[[], T]) -> T:

@@ -58,7 +58,8 @@ class Transport(Protocol):
 
     def try_send(self, addr: str, frame: Frame) -> bool:
         """Hand ``frame`` (bytes, or a list of parts sent back to back) over without
-        waiting; False when the link is full."""
+        waiting; False when the link is full. Once it returns, the caller may change
+        its buffers: what the transport holds back, it holds a copy of."""
         ...
 
     async def send(self, addr: str, frame: Frame) -> None:

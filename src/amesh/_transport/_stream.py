@@ -88,8 +88,10 @@ from ._stream_wire import (
     PREFIX,
     BadStream,
     Buf,
+    Reader,
     StreamBeat,
     byte_view,
+    cut_frames_py,
     fresh_address,
     is_stream_address,
     nbytes,
@@ -163,6 +165,12 @@ class StreamTransport:
 
     #: On asyncio, do the I/O with the loop's protocols (else as on trio).
     fast_asyncio: ClassVar[bool] = True
+    #: Cut inbound frames with the C extension (``amesh._ext.cut_frames``) where it
+    #: is built; False: always the pure-Python fallback (both pass the same tests).
+    accelerated: ClassVar[bool] = True
+    #: On asyncio, batch a link's small frames per turn of the event loop (the turn's
+    #: first goes at once, the rest in one ``writev`` at its end).
+    batch_writes: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -204,6 +212,10 @@ class StreamTransport:
     def max_frame(self) -> int:
         return self._max_frame
 
+    def reader(self, emit: Callable[[Buf], None]) -> Reader:
+        """A reader for one inbound connection that hands each frame to ``emit``."""
+        return Reader(self._max_frame, emit, None if self.accelerated else cut_frames_py)
+
     def _fast(self) -> bool:
         """Pick the backend on first use: asyncio protocols, or anyio."""
         if not self._backend:
@@ -244,7 +256,15 @@ class StreamTransport:
             family, sockaddr = parse_address(addr)
             if self._fast():
                 assert self._loop is not None
-                link = AioLink(self._loop, addr, family, sockaddr, self._identity, self._link_lost)
+                link = AioLink(
+                    self._loop,
+                    addr,
+                    family,
+                    sockaddr,
+                    self._identity,
+                    self._link_lost,
+                    self.batch_writes,
+                )
             else:
                 link = AnyioLink(addr, family, sockaddr, self._identity, self._link_lost)
                 spawn_system_task(self._backend, link.run, self._tasks)

@@ -29,7 +29,7 @@ from ._auth import (
     check_peer,
 )
 from ._base import FIRST_CONNECT_WINDOW
-from ._stream_wire import NOSIGNAL, BadStream, Buf, Reader, SockAddr, owned, tail
+from ._stream_wire import NOSIGNAL, BadStream, Buf, SockAddr, owned, tail
 
 if TYPE_CHECKING:
     from ._stream import StreamTransport
@@ -51,6 +51,11 @@ HIGH_WATER = 2 * 1024 * 1024
 #: asyncio resumes a paused link once its write buffer is below this.
 LOW_WATER = HIGH_WATER // 4
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+#: After a link's first frame in a turn of the event loop (written at once, so that
+#: the peer can start on it), frames of up to this many bytes wait for the end of the
+#: turn and go in one system call, up to :data:`BATCH_BYTES` at a time.
+BATCH_FRAME = 16 * 1024
+BATCH_BYTES = 256 * 1024
 #: A first connect that fails is tried again after this, doubling up to the maximum,
 #: for :data:`~._base.FIRST_CONNECT_WINDOW` seconds.
 _RETRY_MIN = 0.01
@@ -69,7 +74,7 @@ class AioInbound(asyncio.BufferedProtocol):
 
     def __init__(self, owner: StreamTransport) -> None:
         self._owner = owner
-        self._reader = Reader(owner.max_frame, self._emit)
+        self._reader = owner.reader(self._emit)
         self._gate: Gate | None = Gate(owner.address)
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
@@ -181,7 +186,13 @@ class AioInbound(asyncio.BufferedProtocol):
 
 
 class AioConn(asyncio.Protocol):
-    """The connection of an :class:`AioLink`, once its handshake answer is known."""
+    """The connection of an :class:`AioLink`, once its handshake answer is known.
+
+    Writes are batched per turn of the event loop: the turn's first frame goes to the
+    kernel at once; small frames after it (every part ``bytes``, so nobody can change
+    them meanwhile) wait in :attr:`_batch` and go together at the end of the turn, in
+    one ``writev``. A larger frame first sends what waits, keeping the order.
+    """
 
     def __init__(self, link: AioLink, hello: bytes) -> None:
         self._link = link
@@ -189,6 +200,9 @@ class AioConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._fd = -1
         self.paused = False
+        #: frames waiting for the end of this turn (None: none written this turn yet)
+        self._batch: list[Buf] | None = None
+        self._batch_bytes = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)
@@ -206,6 +220,7 @@ class AioConn(asyncio.Protocol):
         link.wake()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self._batch = None
         link = self._link
         if link.conn is self:
             link.conn = None
@@ -226,12 +241,43 @@ class AioConn(asyncio.Protocol):
 
     def write(self, bufs: list[Buf], total: int) -> bool:
         """Write one frame; False (nothing of it written) if the connection broke."""
+        batch = self._batch
+        if batch is not None:
+            if total <= BATCH_FRAME and all(type(b) is bytes for b in bufs):
+                batch += bufs
+                self._batch_bytes += total
+                return self._batch_bytes < BATCH_BYTES or self.flush()
+            if batch and not self.flush():  # what waits goes first
+                return False
+        elif self._link.batching:
+            self._batch = []
+            self._batch_bytes = 0
+            self._link.end_of_turn(self._end_turn)
+        return self._writev(bufs, total)
+
+    def _end_turn(self) -> None:
+        if self._batch:
+            self.flush()
+        self._batch = None
+
+    def flush(self) -> bool:
+        """Send the frames waiting for the end of the turn now; False if the
+        connection broke."""
+        batch = self._batch
+        if not batch:
+            return True
+        total = self._batch_bytes
+        self._batch = []
+        self._batch_bytes = 0
+        return self._writev(batch, total)
+
+    def _writev(self, bufs: list[Buf], total: int) -> bool:
         tr = self.transport
         assert tr is not None
         if tr.get_write_buffer_size():
             tr.writelines(owned(bufs, total))
             return True
-        # Nothing is buffered: hand the frame to the kernel now, in one system call.
+        # Nothing is buffered: hand the frames to the kernel now, in one system call.
         try:
             n = os.writev(self._fd, bufs if len(bufs) <= IOV_MAX else bufs[:IOV_MAX])
         except (BlockingIOError, InterruptedError):
@@ -282,6 +328,7 @@ class AioLink(Waiters):
         "_own",
         "_sockaddr",
         "addr",
+        "batching",
         "conn",
         "pending",
         "pending_bytes",
@@ -295,9 +342,12 @@ class AioLink(Waiters):
         sockaddr: SockAddr,
         own: str,
         on_lost: LostCallback,
+        batching: bool = True,
     ) -> None:
         super().__init__()
         self._loop = loop
+        #: whether its connection batches writes per turn of the loop (see AioConn)
+        self.batching = batching
         self.addr = addr
         self._family = family
         self._sockaddr = sockaddr
@@ -308,6 +358,10 @@ class AioLink(Waiters):
         #: Whole frames waiting for a connection, and their size.
         self.pending: deque[list[Buf]] = deque()
         self.pending_bytes = 0
+
+    def end_of_turn(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the loop has run what is ready now."""
+        self._loop.call_soon(callback)
 
     def _live(self) -> AioConn | None:
         conn = self.conn
@@ -405,6 +459,7 @@ class AioLink(Waiters):
                 if drop:
                     conn.transport.abort()
                 else:
+                    conn.flush()  # what waited for the end of the turn goes too
                     conn.transport.close()
             self.wake()
 
@@ -663,7 +718,7 @@ class AnyioInbound:
     def __init__(self, owner: StreamTransport, sock: socket.socket) -> None:
         self._owner = owner
         self.sock = sock
-        self.reader = Reader(owner.max_frame, self._emit)
+        self.reader = owner.reader(self._emit)
         #: the handshake, until the peer has proven itself
         self.gate: Gate | None = Gate(owner.address)
         self.who = "a peer"

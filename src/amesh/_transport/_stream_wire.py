@@ -23,12 +23,14 @@ __all__ = [
     "MAX_SIZE",
     "NOSIGNAL",
     "PREFIX",
+    "CUT_FRAMES",
     "BadStream",
     "Buf",
     "Reader",
     "SockAddr",
     "StreamBeat",
     "byte_view",
+    "cut_frames_py",
     "fresh_address",
     "is_stream_address",
     "nbytes",
@@ -171,9 +173,27 @@ class Reader:
     alive. No delivered frame's memory is ever reused.
     """
 
-    __slots__ = ("_big", "_buf", "_emit", "_end", "_filled", "_max", "_start", "_view", "stopped")
+    __slots__ = (
+        "_big",
+        "_buf",
+        "_cut",
+        "_emit",
+        "_end",
+        "_filled",
+        "_max",
+        "_start",
+        "_view",
+        "stopped",
+    )
 
-    def __init__(self, max_frame: int, emit: Callable[[Buf], None]) -> None:
+    def __init__(
+        self,
+        max_frame: int,
+        emit: Callable[[Buf], None],
+        cut: Callable[[bytearray, int, int, int], tuple[list[bytes], int, int]] | None = None,
+    ) -> None:
+        #: cuts the whole frames out of the buffer: C, or Python (:data:`CUT_FRAMES`)
+        self._cut = cut or CUT_FRAMES
         self._buf = bytearray(CHUNK)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
@@ -208,34 +228,57 @@ class Reader:
         self._parse()
 
     def _parse(self) -> None:
-        view, pos, end = self._view, self._start, self._end
-        while end - pos >= HLEN:
-            (size,) = HEADER.unpack_from(view, pos)
-            if size > self._max:
-                raise BadStream(f"peer sent a frame of {size} bytes (max_frame {self._max})")
-            stop = pos + HLEN + size
-            if stop <= end:
-                frame = bytes(view[pos + HLEN : stop])
-                pos = self._start = stop
-                self._emit(frame)
-                if self.stopped:
-                    return
-            elif size > SMALL:
-                big = _frame_memory(size)
-                have = end - pos - HLEN
-                big[:have] = view[pos + HLEN : end]
-                self._big, self._filled = big, have
-                self._start = self._end = 0
+        view, end = self._view, self._end
+        frames, pos, size = self._cut(self._buf, self._start, end, self._max)
+        self._start = pos
+        for frame in frames:
+            self._emit(frame)
+            if self.stopped:
                 return
-            else:
-                break
-        if pos == end:
+        if size > self._max:
+            raise BadStream(f"peer sent a frame of {size} bytes (max_frame {self._max})")
+        if size > SMALL:
+            big = _frame_memory(size)
+            have = end - pos - HLEN
+            big[:have] = view[pos + HLEN : end]
+            self._big, self._filled = big, have
+            self._start = self._end = 0
+        elif pos == end:
             self._start = self._end = 0
         elif len(view) - pos < SMALL + HLEN:
             # Make room for the rest of the incomplete (small) frame.
             rest = bytes(view[pos:end])
             view[: len(rest)] = rest
             self._start, self._end = 0, len(rest)
+
+
+def cut_frames_py(buf: bytearray, start: int, end: int, limit: int) -> tuple[list[bytes], int, int]:
+    """:func:`amesh._ext.cut_frames` in Python: the whole frames of ``buf[start:end]``,
+    where the rest starts, and the length the next frame announces (-1: fewer than
+    :data:`HLEN` bytes left). Stops at a frame above ``limit`` bytes."""
+    frames: list[bytes] = []
+    pos, size = start, -1
+    while end - pos >= HLEN:
+        (size,) = HEADER.unpack_from(buf, pos)
+        stop = pos + HLEN + size
+        if size > limit or stop > end:
+            break
+        frames.append(bytes(buf[pos + HLEN : stop]))
+        pos, size = stop, -1
+    return frames, pos, size
+
+
+def _c_cutter() -> Callable[[bytearray, int, int, int], tuple[list[bytes], int, int]] | None:
+    try:
+        from .. import _ext
+    except ImportError:  # not built (an sdist without a compiler): the Python path
+        return None
+    return _ext.cut_frames
+
+
+#: What a :class:`Reader` cuts frames with unless told: the C extension's
+#: ``cut_frames`` where it is built, else :func:`cut_frames_py`.
+CUT_FRAMES = _c_cutter() or cut_frames_py
 
 
 # -- heartbeats from a plain thread --------------------------------------------------------

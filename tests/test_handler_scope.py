@@ -1,0 +1,104 @@
+"""A handler's cancel scope is made only when the handler waits (amesh._runtime._pausable)."""
+
+from __future__ import annotations
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from amesh import Actor, ProcMesh, endpoint
+from amesh._runtime._pausable import LazyScope, run_handler_in
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+async def test_a_handler_that_returns_without_waiting_gets_no_scope() -> None:
+    lazy = LazyScope()
+    assert await run_handler_in(lazy, lambda x: x + 1, (1,), {}) == 2
+    assert lazy._scope is None
+
+
+async def test_a_handler_that_waits_runs_in_its_scope() -> None:
+    lazy = LazyScope()
+    started = anyio.Event()
+
+    async def wait_forever() -> str:
+        started.set()
+        await anyio.sleep_forever()
+        return "not reached"
+
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            assert await run_handler_in(lazy, wait_forever, (), {}) is None
+
+        tg.start_soon(run)
+        await started.wait()
+        assert lazy._scope is not None
+        lazy.cancel()  # ends the handler at its wait, and only it
+    assert lazy.cancel_called
+
+
+async def test_a_cancel_asked_before_the_first_wait_applies_to_it() -> None:
+    lazy = LazyScope()
+    reached: list[str] = []
+
+    async def handler() -> None:
+        lazy.cancel()  # e.g. the actor failed while the handler's first step ran
+        reached.append("first step")
+        await anyio.lowlevel.checkpoint()
+        reached.append("after the wait")
+
+    assert await run_handler_in(lazy, handler, (), {}) is None
+    assert reached == ["first step"]
+
+
+async def test_scopes_the_handler_enters_on_its_first_step_nest_inside_its_own() -> None:
+    lazy = LazyScope()
+
+    async def handler() -> int:
+        with anyio.CancelScope():
+            await anyio.lowlevel.checkpoint()
+            with anyio.move_on_after(30):
+                await anyio.lowlevel.checkpoint()
+        return 7
+
+    assert await run_handler_in(lazy, handler, (), {}) == 7
+
+
+async def test_the_errors_of_both_kinds_reach_the_caller() -> None:
+    def sync() -> None:
+        raise KeyError("sync")
+
+    async def coro() -> None:
+        await anyio.lowlevel.checkpoint()
+        raise KeyError("async")
+
+    with pytest.raises(KeyError, match="sync"):
+        await run_handler_in(LazyScope(), sync, (), {})
+    with pytest.raises(KeyError, match="async"):
+        await run_handler_in(LazyScope(), coro, (), {})
+
+
+class Mixed(Actor):
+    @endpoint
+    def quick(self, x: int) -> int:
+        return x * 2
+
+    @endpoint
+    async def slow(self) -> str:
+        await anyio.sleep_forever()
+        return "never"
+
+
+async def test_through_an_actor_sync_answers_and_async_cancels() -> None:
+    with anyio.fail_after(50):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            mesh = await procs.spawn("mixed", Mixed)
+            one = mesh.slice(procs=0)
+            assert await one.quick.call_one(21) == 42
+            with anyio.move_on_after(0.5) as waited:
+                await one.slow.call_one()
+            assert waited.cancelled_caught
+            # the cancelled handler is gone, and the actor serves the next call
+            assert await one.quick.call_one(4) == 8
