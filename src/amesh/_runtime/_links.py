@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -96,23 +96,50 @@ class Links:
         Raises:
             ValueError: the frame is larger than the transport takes.
         """
+        waiting = self.send_soon(addr, env, buffers)
+        if waiting is not None:
+            await waiting
+
+    def send_soon(
+        self, addr: str, env: _wire.Envelope, buffers: list[Any] | None = None
+    ) -> Awaitable[None] | None:
+        """:meth:`send` without a coroutine where the link takes the frame at once:
+        None once it is handed over (or dropped, as :meth:`send` would), else what
+        to await while the link is full.
+
+        Raises:
+            ValueError: the frame is larger than the transport takes.
+        """
         if addr == self.address:
             self._route_local(env, buffers or [])
-            return
+            return None
         if addr in self._dead:
-            return
+            return None
         frame = _wire.encode(env, buffers)
         if addr in self._outq:
             self.post(addr, frame)
-            return
+            return None
+        try:
+            if self.transport.try_send(addr, frame):
+                return None
+        except Exception as exc:
+            self._failed(addr, frame, exc)
+            return None
+        return self._send_waiting(addr, frame)
+
+    async def _send_waiting(self, addr: str, frame: _wire.Frame) -> None:
         try:
             await self.transport.send(addr, frame)
-        except TransportClosed:
-            pass
         except Exception as exc:
-            if isinstance(exc, ValueError) and _wire.frame_size(frame) > self.transport.max_frame:
-                raise
-            self.drop("dropped a frame to %r: %s", addr, exc)
+            self._failed(addr, frame, exc)
+
+    def _failed(self, addr: str, frame: _wire.Frame, exc: Exception) -> None:
+        """A send raised ``exc``: too large (raised again), closed, or unreachable."""
+        if isinstance(exc, TransportClosed):
+            return
+        if isinstance(exc, ValueError) and _wire.frame_size(frame) > self.transport.max_frame:
+            raise exc
+        self.drop("dropped a frame to %r: %s", addr, exc)
 
     def drop(self, msg: str, *args: Any) -> None:
         """Count a frame or message dropped here, and log it (one line per interval)."""

@@ -215,6 +215,8 @@ class ActorInstance:
         self.owner = owner
         self.rank = rank
         self._queue: deque[_Request] = deque()
+        #: method -> this actor's entry in a call chain (see chain_entry)
+        self._entries: dict[str, str] = {}
         self._closed = False
         self._wakeup: Any = None
         self._new_event = native_event_class()
@@ -356,7 +358,11 @@ class ActorInstance:
             done.set()
 
     def chain_entry(self, method: str) -> str:
-        return f"{self.runtime.address}#{self.key}#{self.label(method)}"
+        entry = self._entries.get(method)
+        if entry is None:
+            entry = f"{self.runtime.address}#{self.key}#{self.label(method)}"
+            self._entries[method] = entry
+        return entry
 
     def waits_on(self, chain: list[str]) -> list[str] | None:
         """The cycle, if a serial handler of this actor is in ``chain``."""
@@ -446,7 +452,9 @@ class ActorInstance:
                 reply = _wire.Reply(reply_id, env.rank, data, lengths)
                 before_reply()  # what the handler printed reaches the caller first
                 try:
-                    await rt.send_frame(dest, reply, parts)
+                    waiting = rt.links.send_soon(dest, reply, parts)
+                    if waiting is not None:  # the link is full: wait for room
+                        await waiting
                     return
                 except ValueError as exc:  # larger than the transport takes: say so
                     failure = exc

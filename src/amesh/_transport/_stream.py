@@ -235,8 +235,13 @@ class StreamTransport:
         """The buffers to write for ``frame`` (length first), their total, its size."""
         if self._closed:
             raise TransportClosed("transport is closed")
-        if isinstance(frame, bytes):
+        if type(frame) is bytes:  # the common case, first
+            size = len(frame)
+            if size <= self._max_frame:
+                return [HEADER.pack(size), frame], size + HLEN, size
             parts: list[Buf] = [frame]
+        elif isinstance(frame, bytes):
+            parts = [frame]
         elif isinstance(frame, list):
             parts = [p if isinstance(p, bytes) else byte_view(p) for p in frame]
         else:
