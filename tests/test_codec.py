@@ -87,8 +87,47 @@ def test_large_bytes_through_shared_memory() -> None:
     (segment,) = shm_files()
     assert os.stat(os.path.join(_codec.shm_dir(), segment)).st_mode & 0o777 == 0o600
     got = _codec.loads(p.data, p.buffers)
-    assert shm_files() == set()  # unlinked as soon as it was opened
+    # copied out, and handed back to its sender for the next message (see the pool)
+    assert shm_files() == {segment + ".free"}
     assert type(got["blob"]) is bytes and got["blob"] == blob
+    assert _codec.release_segments() == 1
+    assert shm_files() == set()
+
+
+def test_a_segment_handed_back_carries_the_next_message() -> None:
+    first, second = os.urandom(4 * MIB), os.urandom(4 * MIB)
+    p = _codec.dumps(first, shm=True)
+    (name,) = shm_files()
+    inode = os.stat(os.path.join(_codec.shm_dir(), name)).st_ino
+    q = _codec.dumps(second, shm=True)  # the first is still with its receiver: a new one
+    assert len(shm_files()) == 2
+    assert _codec.loads(p.data, p.buffers) == first
+    r = _codec.dumps(os.urandom(3 * MIB), shm=True)  # reuses the first's file, resized
+    names = shm_files()
+    assert len(names) == 2 and name + ".free" not in names
+    (again,) = [n for n in names if os.stat(os.path.join(_codec.shm_dir(), n)).st_ino == inode]
+    assert again != name  # a new name for every message
+    assert _codec.loads(q.data, q.buffers) == second
+    got = _codec.loads(r.data, r.buffers)
+    assert len(got) == 3 * MIB
+    with pytest.raises(RuntimeError, match="already loaded once"):
+        _codec.loads(p.data, p.buffers)
+    # a sender that abandons a message takes its segment (a reused one) out of the pool
+    assert len(_codec._pool) == 2 and len(shm_files()) == 2
+    s = _codec.dumps(os.urandom(2 * MIB), shm=True)
+    assert len(shm_files()) == 2  # one of the two handed back
+    assert _codec.release_payload(s) == 1
+    assert len(_codec._pool) == 1
+    assert _codec.release_segments() == 1  # the other one
+    assert shm_files() == set() and _codec._pool == {}
+
+
+def test_only_copied_kinds_and_sizes_in_range_are_pooled() -> None:
+    small = _codec.dumps(os.urandom(MIB // 2), shm=True)  # under POOL_MIN
+    array = _codec.dumps(np.ones(MIB, dtype=np.uint8), shm=True)  # mapped, not copied
+    _codec.loads(small.data, small.buffers)
+    _codec.loads(array.data, array.buffers)
+    assert shm_files() == set()
 
 
 def test_numpy_array_through_shared_memory_is_a_view_of_the_mapping() -> None:
@@ -188,12 +227,13 @@ def test_without_a_segment_directory_buffers_go_in_the_frame(
 
 
 def test_a_full_segment_directory_sends_in_the_frame(monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(fd: int, data: object) -> int:
+    def full(fd: int, data: object, *offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     t = torch.arange(MIB, dtype=torch.float32)
     with monkeypatch.context() as m:
         m.setattr(os, "write", full)
+        m.setattr(os, "pwrite", full)
         p = _codec.dumps((b"small", t), shm=True)
     assert shm_files() == set()  # the half-made segment is gone
     assert [b.nbytes for b in p.buffers] == [4 * MIB]
@@ -236,6 +276,9 @@ def test_another_process_loads_the_segments() -> None:
     arr[0] += 1.0
     expected = hashlib.sha256(arr.tobytes() + t.numpy().tobytes() + blob).hexdigest()
     assert out.stdout.decode().strip() == expected
+    (back,) = shm_files()  # the bytes' segment, handed back; the mapped ones are gone
+    assert back.endswith(".free")
+    assert _codec.release_segments() == 1
     assert shm_files() == set()
 
 

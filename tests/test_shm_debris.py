@@ -39,14 +39,18 @@ def _release() -> Iterator[None]:
     _codec.release_segments()
 
 
-def job_segments(where: str | None = None, job: str | None = None) -> set[str]:
-    """The segments of job ``job`` (this process's by default) in ``where``."""
+def job_segments(
+    where: str | None = None, job: str | None = None, pooled: bool = False
+) -> set[str]:
+    """The segments of job ``job`` (this process's by default) in ``where``; without
+    ``pooled``, not those handed back to a live sender for its next message (``.free``:
+    they go when its runtime closes, which the leak check after each test sees)."""
     prefix = f"amesh-{job}-" if job is not None else _codec.segment_prefix()
     try:
         names = os.listdir(where or _codec.shm_dir())
     except FileNotFoundError:
         return set()
-    return {n for n in names if n.startswith(prefix)}
+    return {n for n in names if n.startswith(prefix) and (pooled or not n.endswith(".free"))}
 
 
 # -- names and the cleanup functions, in this process ----------------------------------

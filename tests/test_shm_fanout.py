@@ -53,10 +53,10 @@ async def test_a_call_to_several_ranks_writes_large_arguments_once(
     made: list[str] = []
     create = _codec._create_segment
 
-    def counted(view: memoryview) -> str | None:
-        path = create(view)
+    def counted(view: memoryview, poolable: bool = False) -> tuple[str | None, bool]:
+        path, pooled = create(view, poolable)
         made.append(str(path))
-        return path
+        return path, pooled
 
     monkeypatch.setattr(_codec, "_create_segment", counted)
     weights = _weights()

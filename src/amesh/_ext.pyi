@@ -25,9 +25,7 @@ def bind(functions: dict[str, int], /) -> None:
         RuntimeError: already bound to other addresses.
     """
 
-def cut_frames(
-    buffer: Buffer, start: int, end: int, limit: int, /
-) -> tuple[list[bytes], int, int]:
+def cut_frames(buffer: Buffer, start: int, end: int, limit: int, /) -> tuple[list[bytes], int, int]:
     """Cut the whole frames (a 4-byte little-endian length, then that many bytes) out
     of ``buffer[start:end]``, each into a ``bytes`` of its own.
 
