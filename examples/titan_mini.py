@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
@@ -96,9 +97,11 @@ class Trainer(Actor):
         self.gen = torch.Generator().manual_seed(seed * 1000 + self.rank)
         torch.manual_seed(seed)  # the same initial weights on every rank
         model = GPT(len(self.chars), block_size, dim=64, layers=2, heads=4)
+        # on the CPUs, with gloo, also on a machine with GPUs (left to the other examples)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for block in model.blocks:
-            fully_shard(block)  # each block's weights are gathered just for its use
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)  # each block's weights are gathered just for its use
+        fully_shard(model, mesh=mesh)
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 

@@ -60,7 +60,8 @@ class Trainer(Actor):
         torch.set_num_threads(1)  # several workers share few cores
         self.rank = dist.get_rank()
         world = dist.get_world_size()
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # the GPU under nccl (one per rank); under gloo (no GPU each) the CPU
+        self.device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
         # Every rank builds the same data set and keeps its own shard of it.
         points, labels = spiral(train_size, seed)
         self.x = points[self.rank :: world].to(self.device)

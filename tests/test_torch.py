@@ -230,15 +230,18 @@ def test_one_backend_for_the_whole_group() -> None:
     # a rank without a device would pick gloo alone and the group would hang
     assert pick_backend([1, 0]) == "gloo"
     assert pick_backend([0, 0]) == "gloo"
+    # a gpus dimension of 2 on a host with 1 GPU: not one GPU per rank, so gloo for all
+    assert pick_backend([1, 1], [0, 1]) == "gloo"
+    assert pick_backend([2, 2], [0, 1]) == "nccl"
 
 
-def test_gpus_coordinate_past_the_hosts_devices_is_refused() -> None:
+def test_gpus_coordinate_past_the_hosts_devices_is_refused_under_cuda() -> None:
     from amesh.torch._setup import device_for
 
     assert device_for(1, None, 2) == "1"
     with pytest.raises(ValueError, match="coordinate 1 is out of range: this host has 1 CUDA"):
         device_for(1, None, 1)
-    assert device_for(3, None, 0) == "3"  # no CUDA: the group runs on the CPUs
+    assert device_for(3, None, 0) == "3"  # not on CUDA: the coordinate only names the rank
     assert device_for(1, "4,6", 8) == "6"
     with pytest.raises(ValueError, match="inherited CUDA_VISIBLE_DEVICES='4'"):
         device_for(1, "4", 8)

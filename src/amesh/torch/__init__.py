@@ -160,7 +160,8 @@ async def init_process_group(
     Args:
         procs: a running ProcMesh (or a view of one).
         backend: the torch.distributed backend; None picks ``"nccl"`` where every
-            worker sees a CUDA device, else ``"gloo"`` (one backend for all ranks).
+            worker has a CUDA device of its own (its ``gpus`` coordinate, if any, is
+            below its host's device count), else ``"gloo"``: one backend for all.
         cuda_visible_devices: if ``procs`` has a ``gpus`` dimension, set each worker's
             ``CUDA_VISIBLE_DEVICES`` to its ``gpus`` coordinate (indexing the devices
             the worker inherited, if it inherited ``CUDA_VISIBLE_DEVICES``), so its GPU
@@ -178,8 +179,8 @@ async def init_process_group(
             belong to a default process group.
         ActorError: a worker could not set up or join the group (the remote error says
             why, e.g. a ``gpus`` coordinate outside the inherited
-            ``CUDA_VISIBLE_DEVICES`` or past the host's CUDA devices, or a timeout
-            connecting to the store).
+            ``CUDA_VISIBLE_DEVICES``, or past the host's CUDA devices under nccl, or a
+            timeout connecting to the store).
         SupervisionError: a worker process died meanwhile.
     """
     if not isinstance(procs, ProcMesh):
@@ -189,21 +190,23 @@ async def init_process_group(
     setup = await procs.spawn(f"_torch_setup_{uuid.uuid4().hex[:8]}", TorchSetup)
     try:
         described = (await setup.describe.call()).values()
-        busy = [rank for rank, (_, initialized, _) in enumerate(described) if initialized]
+        busy = [rank for rank, (_, initialized, _, _) in enumerate(described) if initialized]
         if busy:
             raise RuntimeError(
                 f"ranks {busy} of {procs!r} already belong to a default process group; "
                 "destroy it first (DistGroup.destroy)"
             )
-        hosts = [host for host, _, _ in described]
+        hosts = [host for host, _, _, _ in described]
+        gpus_dim = cuda_visible_devices and "gpus" in procs.sizes
         if backend is None:
-            backend = pick_backend([count for _, _, count in described])
+            counts = [count for _, _, count, _ in described]
+            gpus = [gpu for _, _, _, gpu in described] if gpus_dim else None
+            backend = pick_backend(counts, gpus)
         one_host = len(set(hosts)) == 1
         master_addr = "127.0.0.1" if one_host else hosts[0]
         rank0 = setup.flatten("rank").slice(rank=0)
         port = await rank0.open_store.call_one(master_addr)
         envs = _rank_envs(hosts, master_addr, port)
-        gpus_dim = cuda_visible_devices and "gpus" in procs.sizes
         backends = (await setup.init.call(envs, gpus_dim, backend, timeout)).values()
     except BaseException:
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):

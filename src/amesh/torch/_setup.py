@@ -36,14 +36,15 @@ def _timedelta(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-def _visible_device(gpu: int) -> str:
+def _visible_device(gpu: int, cuda: bool) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` value for the ``gpus`` coordinate ``gpu``.
 
-    It indexes the devices the worker inherited, if ``CUDA_VISIBLE_DEVICES`` was set.
+    It indexes the devices the worker inherited, if ``CUDA_VISIBLE_DEVICES`` was set;
+    with ``cuda`` (the group runs on CUDA) the device must exist.
     """
     if not _inherited_cuda_devices:
         _inherited_cuda_devices.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    return device_for(gpu, _inherited_cuda_devices[0], _device_count())
+    return device_for(gpu, _inherited_cuda_devices[0], _device_count() if cuda else 0)
 
 
 def _device_count() -> int:
@@ -53,12 +54,12 @@ def _device_count() -> int:
 
 def device_for(gpu: int, inherited: str | None, count: int) -> str:
     """``CUDA_VISIBLE_DEVICES`` for the ``gpus`` coordinate ``gpu`` of a worker that
-    inherited ``inherited`` (None: unset) and sees ``count`` CUDA devices.
+    inherited ``inherited`` (None: unset) and must find a CUDA device among ``count``
+    (0: the group does not run on CUDA, any coordinate will do).
 
     Raises:
         ValueError: the coordinate names a device this worker does not have: past the
-            inherited list, or past the host's devices where it has any (a host
-            without CUDA runs the group on its CPUs, whatever the coordinate).
+            inherited list, or past the host's ``count`` devices.
     """
     if inherited is None:
         if count and gpu >= count:
@@ -77,10 +78,15 @@ def device_for(gpu: int, inherited: str | None, count: int) -> str:
     return devices[gpu]
 
 
-def pick_backend(device_counts: list[int]) -> str:
-    """The backend for a group whose ranks see these numbers of CUDA devices: nccl
-    only where every rank has one (a group's ranks must agree, else they hang)."""
-    return "nccl" if device_counts and all(device_counts) else "gloo"
+def pick_backend(device_counts: list[int], gpus: list[int] | None = None) -> str:
+    """The backend for a group whose ranks see these numbers of CUDA devices and, with
+    a ``gpus`` dimension, have these ``gpus`` coordinates: nccl only where every rank
+    has a device of its own (a group's ranks must agree, else they hang), else gloo."""
+    if not device_counts or not all(device_counts):
+        return "gloo"
+    if gpus is not None and any(g >= n for g, n in zip(gpus, device_counts, strict=True)):
+        return "gloo"  # more ranks per host than GPUs: one GPU each is impossible
+    return "nccl"
 
 
 class TorchSetup(Actor):
@@ -92,14 +98,17 @@ class TorchSetup(Actor):
         self._initialized = False
 
     @endpoint
-    def describe(self) -> tuple[str, bool, int]:
+    def describe(self) -> tuple[str, bool, int, int]:
         """``(this host, whether this process already has a default group, the CUDA
-        devices it sees)``: the host is the address this process listens on when that
-        is tcp (the one other machines reach it at), else the hostname."""
+        devices it sees, its gpus coordinate or -1)``: the host is the address this
+        process listens on when that is tcp (the one other machines reach it at), else
+        the hostname."""
         scheme, _, rest = current_runtime().address.partition("://")
         host = rest.rsplit(":", 1)[0].strip("[]") if scheme.endswith("tcp") else ""
         initialized = dist.is_available() and dist.is_initialized()
-        return host or socket.gethostname(), initialized, _device_count()
+        point = current_rank()
+        gpu = point["gpus"] if "gpus" in point.sizes else -1
+        return host or socket.gethostname(), initialized, _device_count(), gpu
 
     @endpoint
     def open_store(self, bind_addr: str) -> int:
@@ -150,7 +159,7 @@ class TorchSetup(Actor):
         point = current_rank()
         env = envs[point.rank]
         if gpus_dim:
-            device = _visible_device(point["gpus"])
+            device = _visible_device(point["gpus"], "nccl" in backend)
             cuda_started: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
             if os.environ.get("CUDA_VISIBLE_DEVICES") != device and cuda_started:
                 raise RuntimeError(
