@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import compare  # this directory's compare.py (a script's directory is on sys.path)
+
 
 def best(runs: list[dict[str, Any]], system: str, metric: dict[str, Any]) -> float | None:
     values = []
@@ -31,17 +33,7 @@ def best(runs: list[dict[str, Any]], system: str, metric: dict[str, Any]) -> flo
 
 
 def fmt(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    if value >= 1000:
-        return f"{value:,.0f}"
-    if value >= 100:
-        return f"{value:.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    if value >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3g}"
+    return "n/a" if value is None else compare.fmt(value)
 
 
 def table(runs: list[dict[str, Any]]) -> str:

@@ -60,7 +60,7 @@ import struct
 import sys
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import count
 from typing import Any
 
@@ -363,18 +363,10 @@ _IN_FRAME = {
 }
 
 
-#: Types that the C pickler writes exactly as cloudpickle would (no reducer of ours, no
-#: buffer out of band while small): see :func:`_plain`.
-_PLAIN_SCALARS = frozenset({type(None), bool, int, float, complex})
-_PLAIN_NODES = 64
-_PLAIN_BYTES = 4096
-
-
-def _plain(obj: Any) -> bool:
-    """True if ``obj`` is a few builtin scalars, short strings and bytes, in tuples,
-    lists and dicts: then the C pickler alone makes the payload, microseconds sooner
-    than cloudpickle's Python-level pickler (a 64-byte echo's arguments and result)."""
-    budget = _PLAIN_NODES
+def small_tree(obj: Any, nodes: int, leaf: Callable[[Any], bool]) -> bool:
+    """True if ``obj`` is at most ``nodes`` objects: lists, tuples, sets and dicts
+    whose leaves (the objects in them that are none of those) all pass ``leaf``."""
+    budget = nodes
     todo = [obj]
     while todo:
         x = todo.pop()
@@ -382,19 +374,38 @@ def _plain(obj: Any) -> bool:
         if budget < 0:
             return False
         t = type(x)
-        if t in _PLAIN_SCALARS:
-            continue
-        if t is str or t is bytes:
-            if len(x) > _PLAIN_BYTES:
+        if t is list or t is tuple or t is set or t is frozenset:
+            if len(x) > budget:
                 return False
-        elif t is tuple or t is list:
             todo.extend(x)
         elif t is dict:
+            if 2 * len(x) > budget:
+                return False
             todo.extend(x.keys())
             todo.extend(x.values())
-        else:
+        elif not leaf(x):
             return False
     return True
+
+
+#: Types that the C pickler writes exactly as cloudpickle would (no reducer of ours, no
+#: buffer out of band while small): see :func:`_plain`.
+_PLAIN_SCALARS = frozenset({type(None), bool, int, float, complex})
+_PLAIN_NODES = 64
+_PLAIN_BYTES = 4096
+
+
+def _plain_leaf(x: Any) -> bool:
+    t = type(x)
+    return t in _PLAIN_SCALARS or ((t is str or t is bytes) and len(x) <= _PLAIN_BYTES)
+
+
+def _plain(obj: Any) -> bool:
+    """True if ``obj`` is a few builtin scalars, short strings and bytes, in tuples,
+    lists, sets and dicts: then the C pickler alone makes the payload, microseconds
+    sooner than cloudpickle's Python-level pickler (a 64-byte echo's arguments and
+    result)."""
+    return small_tree(obj, _PLAIN_NODES, _plain_leaf)
 
 
 def dumps(obj: Any, *, shm: bool = False) -> Payload:

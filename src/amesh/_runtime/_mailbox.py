@@ -60,34 +60,19 @@ _CHEAP_NODES = 256
 _SCALARS = (type(None), bool, int, float, complex, bytes, bytearray, memoryview)
 
 
+def _cheap_leaf(x: Any) -> bool:
+    t = type(x)
+    if t in _SCALARS or (t is str and len(x) < 1 << 20):
+        return True
+    # a tensor's or an array's data goes out of band
+    return t.__module__ in ("torch", "numpy") and t.__name__ in ("Tensor", "ndarray")
+
+
 def cheap_to_pickle(obj: Any) -> bool:
     """True if pickling ``obj`` surely takes microseconds: scalars, strings, byte
     buffers (they travel out of band), arrays and tensors, and small containers of
     those. Anything else (big containers, arbitrary objects) may take seconds."""
-    budget = _CHEAP_NODES
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        budget -= 1
-        if budget < 0:
-            return False
-        t = type(x)
-        if t in _SCALARS or (t is str and len(x) < 1 << 20):
-            continue
-        if t is list or t is tuple or t is set or t is frozenset:
-            if len(x) > budget:
-                return False
-            todo.extend(x)
-        elif t is dict:
-            if 2 * len(x) > budget:
-                return False
-            todo.extend(x.keys())
-            todo.extend(x.values())
-        elif t.__module__ in ("torch", "numpy") and t.__name__ in ("Tensor", "ndarray"):
-            continue  # its data goes out of band
-        else:
-            return False
-    return True
+    return _codec.small_tree(obj, _CHEAP_NODES, _cheap_leaf)
 
 
 class Owned(Protocol):
