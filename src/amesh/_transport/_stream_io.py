@@ -256,19 +256,22 @@ class AioConn(asyncio.Protocol):
         return self._writev(bufs, total)
 
     def _end_turn(self) -> None:
-        if self._batch:
-            self.flush()
+        if not self.flush():
+            self._link.fail("the connection broke")
         self._batch = None
 
     def flush(self) -> bool:
         """Send the frames waiting for the end of the turn now; False if the
-        connection broke."""
+        connection broke (then, or before: what waited is lost with it)."""
         batch = self._batch
         if not batch:
             return True
         total = self._batch_bytes
         self._batch = []
         self._batch_bytes = 0
+        tr = self.transport
+        if tr is None or tr.is_closing():  # aborted meanwhile: its fd may be reused
+            return False
         return self._writev(batch, total)
 
     def _writev(self, bufs: list[Buf], total: int) -> bool:
