@@ -977,3 +977,45 @@ def test_the_default_stream_transport_cuts_frames_in_c() -> None:
         assert PyStreamTransport.accelerated is False
     finally:
         t.close()
+
+
+def test_frames_waiting_for_the_turns_end_never_reach_an_aborted_connection() -> None:
+    """An aborted connection's fd may be reused at once: what waited is dropped, and the
+    link fails, rather than written to whatever the number names now."""
+    from amesh._transport._stream_io import AioConn
+
+    class Link:
+        batching = True
+
+        def __init__(self) -> None:
+            self.failed: list[str] = []
+
+        def end_of_turn(self, callback: Callable[[], None]) -> None:
+            self.turn_ends = callback
+
+        def fail(self, why: str) -> None:
+            self.failed.append(why)
+
+    class Aborted:
+        def is_closing(self) -> bool:
+            return True
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    r, w = os.pipe()
+    try:
+        link = Link()
+        conn = AioConn(link, b"")  # type: ignore[arg-type]
+        conn._fd = w
+        conn.transport = Aborted()  # type: ignore[assignment]
+        conn._batch, conn._batch_bytes = [b"\x03\x00\x00\x00abc"], 7
+        link.end_of_turn(conn._end_turn)
+        link.turn_ends()
+        assert link.failed == ["the connection broke"]
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 100)  # nothing was written
+    finally:
+        os.close(r)
+        os.close(w)
