@@ -11,7 +11,7 @@ from typing import Any
 from .. import _codec, _wire
 from .._errors import Failure, SupervisionError
 from .._ratelog import RateLimitedLog
-from ._context import native_event_class
+from ._context import native_wakeup_class
 
 __all__ = ["Calls", "Pending", "rank_label"]
 
@@ -48,7 +48,7 @@ class Pending:
         self.size = len(targets)
         self.items: deque[tuple[int, bool, Any]] = deque()
         self._event: Any = None
-        self._new_event = new_event or native_event_class()
+        self._new_event = new_event or native_wakeup_class()
         #: the relays the call went through, and the relays on each rank's path
         self.relays: set[str] = set()
         self.via: dict[int, tuple[str, ...]] = {}

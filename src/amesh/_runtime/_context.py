@@ -93,3 +93,36 @@ def native_event_class() -> Any:
 
         return trio.Event
     return asyncio.Event
+
+
+class _Wakeup:
+    """A one-shot wake-up for one waiter, on asyncio: a bare future. An
+    ``asyncio.Event`` looks its loop up and keeps a list of waiters on every wait,
+    which the mailbox and every pending call pay per message."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self) -> None:
+        self._fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def set(self) -> None:
+        fut = self._fut
+        if not fut.done():
+            fut.set_result(None)
+
+    def is_set(self) -> bool:
+        return self._fut.done()
+
+    def wait(self) -> asyncio.Future[None]:
+        """What to await (once) until :meth:`set`."""
+        return self._fut
+
+
+def native_wakeup_class() -> Any:
+    """The cheapest one-shot, one-waiter event of the running loop: :class:`_Wakeup`
+    on asyncio, ``trio.Event`` on trio. Make a new one for each wait."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.Event
+    return _Wakeup

@@ -26,7 +26,7 @@ from anyio.abc import TaskGroup
 from .. import _codec, _wire
 from .._config import debug
 from ._capture import before_reply
-from ._context import CallContext, call_context, is_local, native_event_class, runtime_var
+from ._context import CallContext, call_context, is_local, native_wakeup_class, runtime_var
 from ._pausable import LazyScope, run_handler_in
 
 if TYPE_CHECKING:
@@ -204,7 +204,8 @@ class ActorInstance:
         self._entries: dict[str, str] = {}
         self._closed = False
         self._wakeup: Any = None
-        self._new_event = native_event_class()
+        #: one-shot wake-ups (one waiter each: the dispatch loop)
+        self._new_event = native_wakeup_class()
         #: without concurrent endpoints, handlers run in the loop's own task
         self._inline = not any(h.concurrent for h in handlers.values())
         self.handled = 0

@@ -42,7 +42,7 @@ from .._errors import Failure, ProtocolError, SupervisionError
 from .._ratelog import RateLimitedLog
 from .._transport import Transport
 from ._calls import Calls, Pending
-from ._context import is_local, native_event_class, runtime_var
+from ._context import is_local, native_event_class, native_wakeup_class, runtime_var
 from ._dispatch import Dispatch
 from ._links import CREDIT_BATCH, CREDIT_BATCH_BYTES, Links, send_window
 from ._mailbox import ActorInstance, Owned
@@ -122,7 +122,7 @@ class Runtime:
         self.body: anyio.CancelScope | None = None
         #: the event loop's own Event class (cheaper than anyio's on the hot path)
         self.new_event = native_event_class()
-        self.calls = Calls(self.new_event)
+        self.calls = Calls(native_wakeup_class())  # one waiter per pending call
         dead: dict[str, Failure] = {}
         self.links = Links(transport, self._route_own, self.start_soon, dead, self.new_event)
         self.router = Router(self.address, self.calls, self.links, dead)
