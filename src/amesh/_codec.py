@@ -953,7 +953,7 @@ def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:
             f"shared-memory segment {path} is gone: its sender released it (it exited or"
             " closed its runtime), or this payload was already loaded once"
         ) from None
-    shared, pooled, kind = kind & _SHARED, kind & _POOLED, kind & 3
+    shared, pooled, kind = kind & _SHARED, kind & _POOLED, kind & ~(_SHARED | _POOLED)
     copied = kind == _BYTES or kind == _BYTEARRAY
     back = pooled and copied and not shared
     try:

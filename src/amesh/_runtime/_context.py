@@ -110,9 +110,6 @@ class _Wakeup:
         if not fut.done():
             fut.set_result(None)
 
-    def is_set(self) -> bool:
-        return self._fut.done()
-
     def wait(self) -> asyncio.Future[None]:
         """What to await (once) until :meth:`set`."""
         return self._fut

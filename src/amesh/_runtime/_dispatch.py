@@ -40,7 +40,6 @@ class Dispatch:
         #: why recently stopped actors are gone, by key (see :meth:`gone`)
         self._gone: OrderedDict[str, str] = OrderedDict()
         #: (sender, call_id) of requests being handled, and their cancel scopes
-        #: the cancel scopes of the handlers running now, by request
         self.running: dict[tuple[str, int], LazyScope] = {}
         #: requests sitting in a mailbox, and those of them cancelled before they ran
         self.queued: set[tuple[str, int]] = set()

@@ -235,18 +235,15 @@ class StreamTransport:
         """The buffers to write for ``frame`` (length first), their total, its size."""
         if self._closed:
             raise TransportClosed("transport is closed")
-        if type(frame) is bytes:  # the common case, first
-            size = len(frame)
-            if size <= self._max_frame:
-                return [HEADER.pack(size), frame], size + HLEN, size
+        if isinstance(frame, bytes):  # the common case: no list to walk
             parts: list[Buf] = [frame]
-        elif isinstance(frame, bytes):
-            parts = [frame]
-        elif isinstance(frame, list):
-            parts = [p if isinstance(p, bytes) else byte_view(p) for p in frame]
+            size = len(frame)
         else:
-            parts = [byte_view(frame)]
-        size = nbytes(parts)
+            if isinstance(frame, list):
+                parts = [p if isinstance(p, bytes) else byte_view(p) for p in frame]
+            else:
+                parts = [byte_view(frame)]
+            size = nbytes(parts)
         if size > self._max_frame:
             raise ValueError(
                 f"message of {size} bytes exceeds the transport limit of {self._max_frame} bytes"
