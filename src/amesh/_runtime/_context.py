@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextvars import ContextVar
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import sniffio
@@ -98,12 +100,14 @@ def native_event_class() -> Any:
 class _Wakeup:
     """A one-shot wake-up for one waiter, on asyncio: a bare future. An
     ``asyncio.Event`` looks its loop up and keeps a list of waiters on every wait,
-    which the mailbox and every pending call pay per message."""
+    which the mailbox and every pending call pay per message. The loop is given, not
+    looked up: on Python 3.11 ``asyncio.get_running_loop()`` makes a ``getpid()``
+    system call each time."""
 
     __slots__ = ("_fut",)
 
-    def __init__(self) -> None:
-        self._fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._fut: asyncio.Future[None] = loop.create_future()
 
     def set(self) -> None:
         fut = self._fut
@@ -115,11 +119,12 @@ class _Wakeup:
         return self._fut
 
 
-def native_wakeup_class() -> Any:
-    """The cheapest one-shot, one-waiter event of the running loop: :class:`_Wakeup`
-    on asyncio, ``trio.Event`` on trio. Make a new one for each wait."""
+def native_wakeup_class() -> Callable[[], Any]:
+    """What makes the cheapest one-shot, one-waiter event of the running loop: a
+    :class:`_Wakeup` on this asyncio loop, a ``trio.Event`` on trio. Make a new one
+    for each wait, on this loop only."""
     if sniffio.current_async_library() == "trio":
         import trio
 
         return trio.Event
-    return _Wakeup
+    return partial(_Wakeup, asyncio.get_running_loop())
