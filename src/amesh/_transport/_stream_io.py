@@ -526,6 +526,7 @@ class AnyioLink(Waiters):
     """
 
     __slots__ = (
+        "_closing",
         "_family",
         "_lost",
         "_on_lost",
@@ -558,6 +559,8 @@ class AnyioLink(Waiters):
         self._scope: anyio.CancelScope | None = None
         #: why the link broke, once it did
         self._lost: str | None = None
+        #: closed, but :meth:`run` still writes what was queued before
+        self._closing = False
 
     def writable(self) -> bool:
         return self.queued < HIGH_WATER
@@ -665,7 +668,7 @@ class AnyioLink(Waiters):
     async def _pump(self) -> None:
         sock = self.sock
         assert sock is not None
-        while not self.closed:
+        while not self.closed or (self._closing and self.frames):
             if not self.frames:
                 await self._wait()
                 continue
@@ -696,14 +699,25 @@ class AnyioLink(Waiters):
                 return
 
     def fail(self, why: str) -> None:
-        """The link broke: close it, and have :meth:`run` report it."""
+        """The link broke: close it, and have :meth:`run` report it (unless it was
+        closed: then it only stops writing what was queued)."""
         if not self.closed:
             self._lost = why
             self.close(drop=True)
+        elif self._closing:
+            self.close(drop=True)
 
     def close(self, drop: bool) -> None:
-        """Stop now, whatever ``drop`` says (the socket closes); nothing is reported."""
+        """Stop taking frames; nothing is reported. Unless ``drop``, a connected link
+        still writes what it queued before, in :meth:`run`, as an asyncio transport
+        does once closed; else, or when not connected, the socket closes now."""
         self.closed = True
+        if not drop and self.frames and self.sock is not None and self._lost is None:
+            self._closing = True
+            self._kick()
+            self.wake()
+            return
+        self._closing = False
         self.frames.clear()
         self.queued = 0
         if self._scope is not None:
