@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -233,6 +234,25 @@ def test_one_backend_for_the_whole_group() -> None:
     # a gpus dimension of 2 on a host with 1 GPU: not one GPU per rank, so gloo for all
     assert pick_backend([1, 1], [0, 1]) == "gloo"
     assert pick_backend([2, 2], [0, 1]) == "nccl"
+
+
+def test_a_gpu_host_that_gets_gloo_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    from amesh.torch import _choose_backend
+    from amesh.torch._setup import why_not_nccl
+
+    assert why_not_nccl([1, 1]) is None
+    assert why_not_nccl([2, 0, 0]) == "no CUDA device at ranks 1, 2"
+    assert why_not_nccl([1, 1], [0, 1]) == (
+        "more ranks per host than GPUs: the gpus coordinate of rank 1 is past its "
+        "host's CUDA devices"
+    )
+    with caplog.at_level(logging.WARNING, logger="amesh.torch"):
+        assert _choose_backend("<mesh>", [1, 1], [0, 1]) == "gloo"
+        assert _choose_backend("<mesh>", [0, 0], None) == "gloo"  # no GPU anywhere: quiet
+        assert _choose_backend("<mesh>", [2, 2], [0, 1]) == "nccl"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "uses gloo on the CPU, not nccl: more ranks per host than GPUs" in warnings[0]
 
 
 def test_gpus_coordinate_past_the_hosts_devices_is_refused_under_cuda() -> None:

@@ -62,7 +62,7 @@ import anyio
 from .._actor_mesh import ActorMesh
 from .._errors import ActorError, SupervisionError
 from .._proc_mesh import ProcMesh
-from ._setup import RankEnv, TorchSetup, pick_backend
+from ._setup import RankEnv, TorchSetup, pick_backend, why_not_nccl
 
 __all__ = ["DistGroup", "init_process_group"]
 
@@ -162,6 +162,8 @@ async def init_process_group(
         backend: the torch.distributed backend; None picks ``"nccl"`` where every
             worker has a CUDA device of its own (its ``gpus`` coordinate, if any, is
             below its host's device count), else ``"gloo"``: one backend for all.
+            Where ranks that have GPUs get gloo this way, the ``amesh.torch`` logger
+            warns and says why.
         cuda_visible_devices: if ``procs`` has a ``gpus`` dimension, set each worker's
             ``CUDA_VISIBLE_DEVICES`` to its ``gpus`` coordinate (indexing the devices
             the worker inherited, if it inherited ``CUDA_VISIBLE_DEVICES``), so its GPU
@@ -201,7 +203,7 @@ async def init_process_group(
         if backend is None:
             counts = [count for _, _, count, _ in described]
             gpus = [gpu for _, _, _, gpu in described] if gpus_dim else None
-            backend = pick_backend(counts, gpus)
+            backend = _choose_backend(procs, counts, gpus)
         one_host = len(set(hosts)) == 1
         master_addr = "127.0.0.1" if one_host else hosts[0]
         rank0 = setup.flatten("rank").slice(rank=0)
@@ -216,3 +218,16 @@ async def init_process_group(
                 log.warning("tearing down a failed process group: %s", exc)
         raise
     return DistGroup(procs, setup, backends[0], envs)
+
+
+def _choose_backend(procs: ProcMesh, counts: list[int], gpus: list[int] | None) -> str:
+    """:func:`pick_backend`, saying why when ranks that have GPUs get gloo anyway."""
+    backend = pick_backend(counts, gpus)
+    if backend == "gloo" and any(counts):
+        log.warning(
+            "the process group of %r uses gloo on the CPU, not nccl: %s; pass backend= "
+            "to choose, or give each rank a GPU of its own",
+            procs,
+            why_not_nccl(counts, gpus),
+        )
+    return backend

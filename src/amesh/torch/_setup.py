@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import TCPStore
 from .._actor import Actor, current_rank, endpoint
 from .._runtime._runtime import current_runtime
 
-__all__ = ["RankEnv", "TorchSetup"]
+__all__ = ["RankEnv", "TorchSetup", "pick_backend", "why_not_nccl"]
 
 #: What one rank is told: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 #: ``MASTER_ADDR`` and ``MASTER_PORT``, set in its ``os.environ``.
@@ -78,15 +78,36 @@ def device_for(gpu: int, inherited: str | None, count: int) -> str:
     return devices[gpu]
 
 
+def why_not_nccl(device_counts: list[int], gpus: list[int] | None = None) -> str | None:
+    """Why a group whose ranks see these numbers of CUDA devices (and, with a ``gpus``
+    dimension, have these ``gpus`` coordinates) cannot use nccl; None if it can:
+    every rank needs a device of its own, and a group's ranks must agree on the
+    backend, else they hang."""
+    if not device_counts:
+        return "the group has no ranks"
+    without = [rank for rank, count in enumerate(device_counts) if not count]
+    if without:
+        return f"no CUDA device at {_ranks(without)}"
+    if gpus is not None:
+        over = [r for r, (g, n) in enumerate(zip(gpus, device_counts, strict=True)) if g >= n]
+        if over:
+            return (
+                f"more ranks per host than GPUs: the gpus coordinate of {_ranks(over)} is "
+                "past its host's CUDA devices"
+            )
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
+
+
 def pick_backend(device_counts: list[int], gpus: list[int] | None = None) -> str:
     """The backend for a group whose ranks see these numbers of CUDA devices and, with
     a ``gpus`` dimension, have these ``gpus`` coordinates: nccl only where every rank
-    has a device of its own (a group's ranks must agree, else they hang), else gloo."""
-    if not device_counts or not all(device_counts):
-        return "gloo"
-    if gpus is not None and any(g >= n for g, n in zip(gpus, device_counts, strict=True)):
-        return "gloo"  # more ranks per host than GPUs: one GPU each is impossible
-    return "nccl"
+    has a device of its own (see :func:`why_not_nccl`), else gloo."""
+    return "gloo" if why_not_nccl(device_counts, gpus) else "nccl"
 
 
 class TorchSetup(Actor):
