@@ -37,6 +37,10 @@
  *   cuts the whole frames out of what a read brought, in one call per read
  *   rather than a Python loop per frame.
  *
+ * - pread_bytes(): a large bytes payload read out of shared memory
+ *   (amesh._codec) goes into a bytes object the process already has and nobody
+ *   references any more, rather than into fresh pages.
+ *
  * Policy (batch sizes, ring capacity, what an error means, when to wait) is the
  * caller's. Every call that may take an NNG lock runs with the GIL released:
  * pynng's pipe callbacks take the GIL on NNG threads, so holding it across an
@@ -1459,6 +1463,95 @@ done:
     return NULL;
 }
 
+/* ========================================================================== */
+/* Large received bytes: refilled rather than fresh pages                      */
+/* ========================================================================== */
+
+/*
+ * pread_bytes(fd, size, spare) -> (data, reused)
+ *
+ * The first size bytes of the file fd as a bytes object. Where the list spare
+ * holds a bytes object of exactly size bytes whose only reference is the list's,
+ * that object is filled again and returned (reused is True): its pages are in
+ * memory already, while a new object of many megabytes gets fresh pages, which the
+ * kernel faults in and zeroes one by one as the read fills them (three times the
+ * cost of the copy itself, measured). Nobody can see the change: no one else holds
+ * the object, and its cached hash is reset. Else a new object (reused False). Which
+ * objects go into spare, and for how long, is the caller's.
+ *
+ * Raises OSError on a read error, RuntimeError when the file is shorter than size.
+ */
+static PyObject *
+ext_pread_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "pread_bytes(fd, size, spare: list)");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[1]);
+    if ((fd == -1 || size == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (fd < 0 || fd > INT_MAX || size < 0) {
+        PyErr_Format(PyExc_ValueError, "bad fd %ld or size %zd", fd, size);
+        return NULL;
+    }
+    PyObject *data = NULL;
+    int reused = 0;
+#ifndef Py_GIL_DISABLED /* without the GIL a reference count of 1 proves nothing */
+    PyObject *spare = args[2];
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(spare); i++) {
+        PyObject *item = PyList_GET_ITEM(spare, i);
+        if (PyBytes_CheckExact(item) && PyBytes_GET_SIZE(item) == size && Py_REFCNT(item) == 1) {
+            data = Py_NewRef(item); /* from now on nobody else can take it either */
+            _Py_COMP_DIAG_PUSH
+            _Py_COMP_DIAG_IGNORE_DEPR_DECLS
+            ((PyBytesObject *)data)->ob_shash = -1;
+            _Py_COMP_DIAG_POP
+            reused = 1;
+            break;
+        }
+    }
+#endif
+    if (data == NULL) {
+        data = PyBytes_FromStringAndSize(NULL, size);
+        if (data == NULL) {
+            return NULL;
+        }
+    }
+    char *buf = PyBytes_AS_STRING(data);
+    Py_ssize_t done = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (done < size) {
+        ssize_t n = pread((int)fd, buf + done, (size_t)(size - done), (off_t)done);
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            err = errno;
+            break;
+        }
+        if (n == 0) {
+            break;
+        }
+        done += n;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        Py_DECREF(data);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (done < size) {
+        Py_DECREF(data);
+        PyErr_Format(PyExc_RuntimeError, "the file holds %zd bytes, not %zd", done, size);
+        return NULL;
+    }
+    return Py_BuildValue("(NO)", data, reused ? Py_True : Py_False);
+}
+
 static PyMethodDef ext_methods[] = {
     {"bind", (PyCFunction)ext_bind, METH_O,
      "bind(functions): the addresses of NNG_FUNCTIONS in the loaded NNG."},
@@ -1469,6 +1562,10 @@ static PyMethodDef ext_methods[] = {
      "cut_frames(buffer, start, end, limit) -> (frames, pos, size): the whole\n"
      "length-prefixed frames of buffer[start:end] as bytes, where the rest starts,\n"
      "and the length the next frame announces (-1: fewer than 4 bytes left)."},
+    {"pread_bytes", (PyCFunction)(void (*)(void))ext_pread_bytes, METH_FASTCALL,
+     "pread_bytes(fd, size, spare) -> (data, reused): the first size bytes of file fd\n"
+     "as bytes, refilling a bytes object of that size in the list spare that nothing\n"
+     "else references (reused True), else a new one."},
     {"finalize", (PyCFunction)ext_finalize, METH_NOARGS,
      "Stop every Receiver and NNG Beat, and make no more NNG calls (run before nng_fini)."},
     {"_wait_uninterruptibly", (PyCFunction)ext_wait_uninterruptibly, METH_O,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The C extension under AddressSanitizer and UBSan: build amesh._ext with setup.py's
 # AMESH_EXT_DEBUG=1 into a copy of src/, then run the tests that drive it (transports,
-# TLS, the wire format) with that copy, the sanitizers' runtime preloaded (the
+# TLS, the wire format, refilled bytes) with that copy, the sanitizers' runtime preloaded (the
 # interpreter itself is not instrumented). Any report fails the run. Run by
 # scripts/test.sh after the setup; needs .venv (scripts/setup.sh) and gcc.
 set -euo pipefail
@@ -31,3 +31,5 @@ python -c "import amesh._ext as e, sys; sys.exit(e.__file__ != sys.argv[1])" "$s
 echo "== sanitizers: transport, TLS and wire tests with $so"
 python -m pytest -q -p no:cacheprovider tests/test_transport.py tests/test_tls.py tests/test_wire.py \
     tests/test_properties_stream.py "$@"
+echo "== sanitizers: large bytes refilled out of shared memory (pread_bytes)"
+python -m pytest -q -p no:cacheprovider tests/test_codec.py -k "pread_bytes or spare or fill_an_object"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -560,6 +561,7 @@ class Big(Actor):
 
     def __init__(self) -> None:
         self.held: bytes = b""
+        self.hoarded: list[bytes] = []
 
     @endpoint
     def pid(self) -> int:
@@ -577,6 +579,16 @@ class Big(Actor):
     @endpoint
     def keep(self, data: bytes) -> None:
         self.held = data
+
+    @endpoint
+    def echo(self, data: bytes) -> bytes:
+        return data
+
+    @endpoint
+    def hoard(self, data: bytes) -> list[str]:
+        """Keep ``data`` with every earlier one; the digests of all of them."""
+        self.hoarded.append(data)
+        return [hashlib.sha256(b).hexdigest() for b in self.hoarded]
 
     @endpoint
     def kept(self) -> tuple[int, bytes, bytes]:

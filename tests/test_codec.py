@@ -122,6 +122,82 @@ def test_a_segment_handed_back_carries_the_next_message() -> None:
     assert shm_files() == set() and _codec._pool == {}
 
 
+def test_large_bytes_received_fill_an_object_nobody_holds_any_more() -> None:
+    """A bytes read out of a segment goes into one received before, once nothing
+    else references it; never into one that somebody still holds."""
+    _codec._spare.clear()
+    first, second, third = (os.urandom(2 * MIB) for _ in range(3))
+    got = _codec.loads(*_dumped(first))
+    assert got == first and _codec._spare == [got]
+    kept = got  # still held: a new object for the next one, and `kept` stays as it was
+    hash(kept)  # (its hash is cached: a refilled object must not keep it)
+    got = _codec.loads(*_dumped(second))
+    assert got == second and got is not kept and kept == first
+    assert [id(b) for b in _codec._spare] == [id(kept), id(got)]
+    reused = id(kept)
+    del kept, got  # nobody holds them now: the oldest of the right size is filled again
+    got = _codec.loads(*_dumped(third))
+    assert id(got) == reused and got == third
+    assert hash(got) == hash(bytes(bytearray(third)))  # not the hash `first` had
+    other = _codec.loads(*_dumped(os.urandom(3 * MIB)))  # another size: a new object
+    assert id(other) != reused and len(_codec._spare) == 3
+    _codec.release_segments()
+    assert _codec._spare == []
+
+
+def test_spare_bytes_are_bounded_and_let_go_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    _codec._spare.clear()
+    monkeypatch.setattr(_codec, "SPARE_OBJECTS", 2)
+    monkeypatch.setattr(_codec, "SPARE_BYTES", 5 * MIB)
+    loaded = [_codec.loads(*_dumped(os.urandom(n * MIB))) for n in (1, 2, 3)]
+    assert [len(b) for b in _codec._spare] == [2 * MIB, 3 * MIB]  # at most 2 objects
+    _codec.loads(*_dumped(os.urandom(4 * MIB)))
+    assert [len(b) for b in _codec._spare] == [4 * MIB]  # at most 5 MiB in all
+    assert [len(b) for b in loaded] == [MIB, 2 * MIB, 3 * MIB]  # what was let go lives on
+    monkeypatch.setattr(_codec, "SPARE_MIN", 2 * MIB)
+    small = _codec.loads(*_dumped(os.urandom(MIB)))  # under SPARE_MIN: not kept
+    assert len(small) == MIB and [len(b) for b in _codec._spare] == [4 * MIB]
+    _codec._spare.clear()
+
+
+def test_pread_bytes_refills_only_an_unshared_object_of_its_size(tmp_path: Path) -> None:
+    from amesh import _ext
+
+    path = tmp_path / "data"
+    path.write_bytes(b"abcdefgh")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        spare: list[bytes] = []
+        data, reused = _ext.pread_bytes(fd, 8, spare)
+        assert (data, reused) == (b"abcdefgh", False)
+        spare.append(b"x" * 7)  # another size
+        spare.append(bytes(bytearray(b"y" * 8)))
+        held = spare[-1]
+        data, reused = _ext.pread_bytes(fd, 8, spare)
+        assert not reused and held == b"y" * 8  # referenced here: left alone
+        del held
+        data, reused = _ext.pread_bytes(fd, 8, spare)
+        assert reused and data is spare[-1] and data == b"abcdefgh"
+        assert spare[0] == b"x" * 7
+        with pytest.raises(RuntimeError, match="holds 8 bytes, not 9"):
+            _ext.pread_bytes(fd, 9, spare)
+        with pytest.raises(ValueError):
+            _ext.pread_bytes(fd, -1, spare)
+        with pytest.raises(TypeError):
+            _ext.pread_bytes(fd, 8, tuple(spare))  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as err:
+        _ext.pread_bytes(fd, 8, [])  # closed
+    assert err.value.errno == errno.EBADF
+
+
+def _dumped(data: bytes) -> tuple[bytes, list[object]]:
+    p = _codec.dumps(data, shm=True)
+    assert p.segments  # through shared memory
+    return p.data, list(p.buffers)
+
+
 def test_only_copied_kinds_and_sizes_in_range_are_pooled() -> None:
     small = _codec.dumps(os.urandom(MIB // 2), shm=True)  # under POOL_MIN
     array = _codec.dumps(np.ones(MIB, dtype=np.uint8), shm=True)  # mapped, not copied

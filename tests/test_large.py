@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import resource
 import sys
 
@@ -57,3 +59,24 @@ async def test_a_gibibyte_through_every_adverb() -> None:
             peaks = list((await big.peak_rss_mib.call()).values())
     controller = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS MiB: controller {controller:.0f}, workers {peaks}", file=sys.stderr)
+
+
+async def test_large_bytes_that_are_kept_never_change() -> None:
+    """A large ``bytes`` is read into an object received before only once nobody
+    holds that one: what a worker and the controller keep stays as it came."""
+    sent = [os.urandom(2 << 20) for _ in range(6)]
+    digests = [hashlib.sha256(b).hexdigest() for b in sent]
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 1}) as procs:
+            one = (await procs.spawn("big", Big)).slice(procs=0)
+            for i, data in enumerate(sent):  # the worker keeps each one it gets
+                assert await one.hoard.call_one(data) == digests[: i + 1]
+            kept = []
+            for data in sent:  # the controller keeps every other reply
+                got = await one.echo.call_one(data)
+                assert got == data
+                if len(kept) < 3:
+                    kept.append(got)
+                del got  # dropped: the next reply may be read into it
+            assert [hashlib.sha256(b).hexdigest() for b in kept] == digests[:3]
+            assert await one.hoard.call_one(b"") == [*digests, hashlib.sha256().hexdigest()]

@@ -118,6 +118,15 @@ POOL_MIN = 1 << 20
 POOL_MAX = 128 << 20
 POOL_SEGMENTS = 4
 POOL_BYTES = 256 << 20
+#: A ``bytes`` of these sizes read out of a segment is kept (up to SPARE_OBJECTS of
+#: them, SPARE_BYTES in all per process, the oldest let go first) and filled again for
+#: a later one of the same size once nothing else references it: a new object's
+#: pages are fresh, and faulting them in cost 3 times the copy itself (47 against 14
+#: ms for 64 MiB on the VM of bench/README.md). See :func:`amesh._ext.pread_bytes`.
+SPARE_MIN = 1 << 20
+SPARE_MAX = 128 << 20
+SPARE_OBJECTS = 4
+SPARE_BYTES = 256 << 20
 
 
 class Payload:
@@ -467,6 +476,7 @@ _counter = count()
 _lock = threading.Lock()
 _made: set[str] = set()  # segments this process made, maybe consumed since
 _pool: dict[str, int] = {}  # segments that come back for reuse (see _POOLED): their sizes
+_spare: list[bytes] = []  # bytes read out of segments, to fill again (see SPARE_MIN)
 _prune_at = 1024
 
 # A segment's name says whose it is: ``amesh-<job>-<pid>.<start>.<pidns>-<n>-<random>``.
@@ -694,6 +704,7 @@ def release_segments() -> int:
         paths = [*_made, *(path + _FREE for path in _pool)]
         _made.clear()
         _pool.clear()
+        _spare.clear()  # (memory, not segments: let it go with them)
     return sum(_unlink(path) for path in paths)
 
 
@@ -903,6 +914,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _made.clear()
     _pool.clear()
+    _spare.clear()
 
 
 atexit.register(release_segments)
@@ -985,6 +997,11 @@ def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:
 
 def _read_all(fd: int, size: int, kind: int) -> bytes | bytearray:
     """The ``size`` bytes of ``fd``, in one copy (up to 2 GiB for ``bytes``)."""
+    if kind == _BYTES and SPARE_MIN <= size <= SPARE_MAX and _pread_bytes is not None:
+        data, reused = _pread_bytes(fd, size, _spare)
+        if not reused:
+            _keep_spare(data)
+        return data
     if kind == _BYTES:
         data = os.read(fd, size)
         if len(data) < size:  # Linux reads at most 2 GiB at a time
@@ -1000,6 +1017,25 @@ def _read_all(fd: int, size: int, kind: int) -> bytes | bytearray:
         done += n
     return buf
 
+
+def _keep_spare(data: bytes) -> None:
+    """Keep ``data`` to fill again later (see :data:`SPARE_MIN`), letting the oldest go."""
+    with _lock:
+        _spare.append(data)
+        total = sum(map(len, _spare))
+        while len(_spare) > SPARE_OBJECTS or total > SPARE_BYTES:
+            total -= len(_spare.pop(0))
+
+
+def _c_pread_bytes() -> Callable[[int, int, list[bytes]], tuple[bytes, bool]] | None:
+    try:
+        from . import _ext
+    except ImportError:  # not built: a new bytes object for each
+        return None
+    return _ext.pread_bytes
+
+
+_pread_bytes = _c_pread_bytes()
 
 _LOAD_SEGMENT = _global_op(_load_segment.__module__, _load_segment.__name__)
 # A segment reference as _segment_ref writes it, up to the path's length.

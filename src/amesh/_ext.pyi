@@ -41,6 +41,24 @@ def cut_frames(buffer: Buffer, start: int, end: int, limit: int, /) -> tuple[lis
         ValueError: ``start``/``end`` do not lie within the buffer.
     """
 
+def pread_bytes(fd: int, size: int, spare: list[bytes], /) -> tuple[bytes, bool]:
+    """The first ``size`` bytes of file ``fd`` (read from offset 0) as ``bytes``.
+
+    A ``bytes`` of exactly ``size`` bytes in ``spare`` whose only reference is the
+    list's is filled again and returned, its cached hash reset: its pages are in
+    memory already, where a new object's are faulted in and zeroed as the read
+    fills them. Nobody can see the change, since nobody else holds the object. What
+    goes into ``spare`` is the caller's.
+
+    Returns:
+        ``(data, reused)``: the bytes, and whether they are an object of ``spare``.
+
+    Raises:
+        OSError: the read failed.
+        RuntimeError: the file holds fewer than ``size`` bytes.
+        ValueError: ``fd`` or ``size`` is negative.
+    """
+
 def send(socket: int, data: Buffer | Iterable[Buffer], /) -> bool:
     """Copy ``data`` into an NNG message and send it on ``socket`` without waiting.
 
