@@ -37,9 +37,10 @@
  *   cuts the whole frames out of what a read brought, in one call per read
  *   rather than a Python loop per frame.
  *
- * - pread_bytes(): a large bytes payload read out of shared memory
+ * - pread_bytes(), copy_bytes(): a large bytes payload read out of shared memory
  *   (amesh._codec) goes into a bytes object the process already has and nobody
- *   references any more, rather than into fresh pages.
+ *   references any more, rather than into fresh pages; copy_bytes() copies out of
+ *   a mapping the receiver keeps, with the GIL released.
  *
  * Policy (batch sizes, ring capacity, what an error means, when to wait) is the
  * caller's. Every call that may take an NNG lock runs with the GIL released:
@@ -1481,6 +1482,26 @@ done:
  *
  * Raises OSError on a read error, RuntimeError when the file is shorter than size.
  */
+/* A bytes object of exactly size bytes in the list spare that nothing but the list
+ * references, with its cached hash reset (a new reference); NULL if none. */
+static PyObject *
+take_spare(PyObject *spare, Py_ssize_t size)
+{
+#ifndef Py_GIL_DISABLED /* without the GIL a reference count of 1 proves nothing */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(spare); i++) {
+        PyObject *item = PyList_GET_ITEM(spare, i);
+        if (PyBytes_CheckExact(item) && PyBytes_GET_SIZE(item) == size && Py_REFCNT(item) == 1) {
+            _Py_COMP_DIAG_PUSH
+            _Py_COMP_DIAG_IGNORE_DEPR_DECLS
+            ((PyBytesObject *)item)->ob_shash = -1;
+            _Py_COMP_DIAG_POP
+            return Py_NewRef(item); /* from now on nobody else can take it either */
+        }
+    }
+#endif
+    return NULL;
+}
+
 static PyObject *
 ext_pread_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1497,23 +1518,8 @@ ext_pread_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "bad fd %ld or size %zd", fd, size);
         return NULL;
     }
-    PyObject *data = NULL;
-    int reused = 0;
-#ifndef Py_GIL_DISABLED /* without the GIL a reference count of 1 proves nothing */
-    PyObject *spare = args[2];
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(spare); i++) {
-        PyObject *item = PyList_GET_ITEM(spare, i);
-        if (PyBytes_CheckExact(item) && PyBytes_GET_SIZE(item) == size && Py_REFCNT(item) == 1) {
-            data = Py_NewRef(item); /* from now on nobody else can take it either */
-            _Py_COMP_DIAG_PUSH
-            _Py_COMP_DIAG_IGNORE_DEPR_DECLS
-            ((PyBytesObject *)data)->ob_shash = -1;
-            _Py_COMP_DIAG_POP
-            reused = 1;
-            break;
-        }
-    }
-#endif
+    PyObject *data = take_spare(args[2], size);
+    int reused = data != NULL;
     if (data == NULL) {
         data = PyBytes_FromStringAndSize(NULL, size);
         if (data == NULL) {
@@ -1552,6 +1558,51 @@ ext_pread_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(NO)", data, reused ? Py_True : Py_False);
 }
 
+/*
+ * copy_bytes(buffer, size, spare) -> (data, reused)
+ *
+ * pread_bytes() out of a buffer (a mapping of the file) instead of a file: the
+ * first size bytes of buffer, in an object of spare if one is free, copied with the
+ * GIL released (the buffer is held meanwhile).
+ */
+static PyObject *
+ext_copy_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "copy_bytes(buffer, size, spare: list)");
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_AsSsize_t(args[1]);
+    if (size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (size < 0 || size > view.len) {
+        PyErr_Format(PyExc_ValueError, "cannot copy %zd bytes out of a buffer of %zd", size,
+                     view.len);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    PyObject *data = take_spare(args[2], size);
+    int reused = data != NULL;
+    if (data == NULL) {
+        data = PyBytes_FromStringAndSize(NULL, size);
+        if (data == NULL) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+    }
+    char *dst = PyBytes_AS_STRING(data);
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(dst, view.buf, (size_t)size);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(NO)", data, reused ? Py_True : Py_False);
+}
+
 static PyMethodDef ext_methods[] = {
     {"bind", (PyCFunction)ext_bind, METH_O,
      "bind(functions): the addresses of NNG_FUNCTIONS in the loaded NNG."},
@@ -1566,6 +1617,9 @@ static PyMethodDef ext_methods[] = {
      "pread_bytes(fd, size, spare) -> (data, reused): the first size bytes of file fd\n"
      "as bytes, refilling a bytes object of that size in the list spare that nothing\n"
      "else references (reused True), else a new one."},
+    {"copy_bytes", (PyCFunction)(void (*)(void))ext_copy_bytes, METH_FASTCALL,
+     "copy_bytes(buffer, size, spare) -> (data, reused): pread_bytes() out of a\n"
+     "buffer: its first size bytes, in an object of spare nothing else references."},
     {"finalize", (PyCFunction)ext_finalize, METH_NOARGS,
      "Stop every Receiver and NNG Beat, and make no more NNG calls (run before nng_fini)."},
     {"_wait_uninterruptibly", (PyCFunction)ext_wait_uninterruptibly, METH_O,

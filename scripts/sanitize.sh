@@ -31,5 +31,5 @@ python -c "import amesh._ext as e, sys; sys.exit(e.__file__ != sys.argv[1])" "$s
 echo "== sanitizers: transport, TLS and wire tests with $so"
 python -m pytest -q -p no:cacheprovider tests/test_transport.py tests/test_tls.py tests/test_wire.py \
     tests/test_properties_stream.py "$@"
-echo "== sanitizers: large bytes refilled out of shared memory (pread_bytes)"
-python -m pytest -q -p no:cacheprovider tests/test_codec.py -k "pread_bytes or spare or fill_an_object"
+echo "== sanitizers: large bytes out of shared memory (pread_bytes, copy_bytes)"
+python -m pytest -q -p no:cacheprovider tests/test_codec.py -k "copy_bytes or spare or fill_an_object or mappings"

@@ -160,7 +160,7 @@ def test_spare_bytes_are_bounded_and_let_go_oldest_first(monkeypatch: pytest.Mon
     _codec._spare.clear()
 
 
-def test_pread_bytes_refills_only_an_unshared_object_of_its_size(tmp_path: Path) -> None:
+def test_pread_and_copy_bytes_refill_only_an_unshared_object_of_its_size(tmp_path: Path) -> None:
     from amesh import _ext
 
     path = tmp_path / "data"
@@ -190,12 +190,58 @@ def test_pread_bytes_refills_only_an_unshared_object_of_its_size(tmp_path: Path)
     with pytest.raises(OSError) as err:
         _ext.pread_bytes(fd, 8, [])  # closed
     assert err.value.errno == errno.EBADF
+    # the same out of a buffer (a mapping)
+    spare = [bytes(bytearray(b"z" * 4))]
+    data, reused = _ext.copy_bytes(memoryview(b"abcdef"), 4, spare)
+    assert reused and data is spare[0] and data == b"abcd"
+    data, reused = _ext.copy_bytes(b"abcdef", 4, spare)  # `data` holds the other one
+    assert not reused and data == b"abcd" and spare[0] == b"abcd"
+    with pytest.raises(ValueError, match="cannot copy 7 bytes out of a buffer of 6"):
+        _ext.copy_bytes(b"abcdef", 7, spare)
 
 
 def _dumped(data: bytes) -> tuple[bytes, list[object]]:
     p = _codec.dumps(data, shm=True)
     assert p.segments  # through shared memory
     return p.data, list(p.buffers)
+
+
+def test_a_pooled_segment_is_written_and_read_through_mappings_that_stay() -> None:
+    """Its sender writes each message into its mapping of the segment, its receiver
+    reads each out of a mapping it keeps; a message of another size resizes the file
+    (one that needs new pages is written, not stored through the mapping)."""
+    _codec.release_segments()
+    messages = [os.urandom(n * MIB // 2) for n in (8, 8, 6, 10, 3)]  # same, less, more
+    inodes = set()
+    for i, data in enumerate(messages):
+        p = _codec.dumps(bytearray(data) if i == 2 else data, shm=True)
+        (path,) = p.segments
+        assert os.stat(path).st_size == len(data)
+        inodes.add(os.stat(path).st_ino)
+        got = _codec.loads(p.data, p.buffers)
+        assert got == data and type(got) is (bytearray if i == 2 else bytes)
+        assert len(_codec._pool) == 1 and len(_codec._maps) == 1
+    assert len(inodes) == 1  # one file carried every message
+    (kept,) = _codec._pool.values()
+    assert kept.size == len(messages[-1])
+    _codec.release_segments()
+    assert _codec._pool == {} and len(_codec._maps) == 0 and shm_files() == set()
+
+
+def test_a_receiver_keeps_a_bounded_number_of_mappings(monkeypatch: pytest.MonkeyPatch) -> None:
+    _codec.release_segments()
+    monkeypatch.setattr(_codec, "MAPS_KEPT", 2)
+    payloads = [_codec.dumps(os.urandom(2 * MIB), shm=True) for _ in range(3)]  # 3 files
+    assert len(_codec._pool) == 3
+    for p in payloads:
+        _codec.loads(p.data, p.buffers)
+    assert len(_codec._maps) == 2  # the least recently used one was let go
+    monkeypatch.setattr(_codec, "MAPS_BYTES", 3 * MIB)
+    again = _codec.dumps(os.urandom(2 * MIB), shm=True)
+    assert _codec.loads(again.data, again.buffers) is not None
+    assert len(_codec._maps) == 1  # 2 mappings of 2 MiB are more than 3 MiB
+    _codec.release_segments()
+    assert len(_codec._maps) == 0 and shm_files() == set()
 
 
 def test_only_copied_kinds_and_sizes_in_range_are_pooled() -> None:

@@ -59,6 +59,18 @@ def pread_bytes(fd: int, size: int, spare: list[bytes], /) -> tuple[bytes, bool]
         ValueError: ``fd`` or ``size`` is negative.
     """
 
+def copy_bytes(buffer: Buffer, size: int, spare: list[bytes], /) -> tuple[bytes, bool]:
+    """:func:`pread_bytes` out of ``buffer`` (a mapping of the file): its first
+    ``size`` bytes, in an object of ``spare`` that nothing else references if there is
+    one, copied with the GIL released.
+
+    Returns:
+        ``(data, reused)``: the bytes, and whether they are an object of ``spare``.
+
+    Raises:
+        ValueError: ``size`` is negative or larger than ``buffer``.
+    """
+
 def send(socket: int, data: Buffer | Iterable[Buffer], /) -> bool:
     """Copy ``data`` into an NNG message and send it on ``socket`` without waiting.
 
