@@ -483,8 +483,9 @@ _counter = count()
 _lock = threading.Lock()
 _made: set[str] = set()  # segments this process made, maybe consumed since
 _pool: dict[str, _Kept] = {}  # segments that come back for reuse (see _POOLED)
-#: the mappings of segments handed back to their senders, by (st_dev, st_ino): each
-#: pooled segment is read out of one mapping message after message (see _mapping)
+#: the mappings of other processes' pooled segments, by (st_dev, st_ino): each is read
+#: out of one mapping message after message (see _read_kept). A mapping holds its file,
+#: so no other live file has its inode number (tmpfs numbers them from a counter).
 _maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
 _spare: list[bytes] = []  # bytes read out of segments, to fill again (see SPARE_MIN)
 _prune_at = 1024
