@@ -1482,11 +1482,13 @@ done:
  *
  * Raises OSError on a read error, RuntimeError when the file is shorter than size.
  */
-/* A bytes object of exactly size bytes in the list spare that nothing but the list
- * references, with its cached hash reset (a new reference); NULL if none. */
+/* A bytes object of size bytes to fill (a new reference; NULL with an exception):
+ * one in the list spare that nothing but the list references, its cached hash reset
+ * (*reused = 1), else a new one (*reused = 0). */
 static PyObject *
-take_spare(PyObject *spare, Py_ssize_t size)
+bytes_to_fill(PyObject *spare, Py_ssize_t size, int *reused)
 {
+    *reused = 0;
 #ifndef Py_GIL_DISABLED /* without the GIL a reference count of 1 proves nothing */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(spare); i++) {
         PyObject *item = PyList_GET_ITEM(spare, i);
@@ -1495,11 +1497,12 @@ take_spare(PyObject *spare, Py_ssize_t size)
             _Py_COMP_DIAG_IGNORE_DEPR_DECLS
             ((PyBytesObject *)item)->ob_shash = -1;
             _Py_COMP_DIAG_POP
+            *reused = 1;
             return Py_NewRef(item); /* from now on nobody else can take it either */
         }
     }
 #endif
-    return NULL;
+    return PyBytes_FromStringAndSize(NULL, size);
 }
 
 static PyObject *
@@ -1518,13 +1521,10 @@ ext_pread_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "bad fd %ld or size %zd", fd, size);
         return NULL;
     }
-    PyObject *data = take_spare(args[2], size);
-    int reused = data != NULL;
+    int reused;
+    PyObject *data = bytes_to_fill(args[2], size, &reused);
     if (data == NULL) {
-        data = PyBytes_FromStringAndSize(NULL, size);
-        if (data == NULL) {
-            return NULL;
-        }
+        return NULL;
     }
     char *buf = PyBytes_AS_STRING(data);
     Py_ssize_t done = 0;
@@ -1586,14 +1586,11 @@ ext_copy_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyBuffer_Release(&view);
         return NULL;
     }
-    PyObject *data = take_spare(args[2], size);
-    int reused = data != NULL;
+    int reused;
+    PyObject *data = bytes_to_fill(args[2], size, &reused);
     if (data == NULL) {
-        data = PyBytes_FromStringAndSize(NULL, size);
-        if (data == NULL) {
-            PyBuffer_Release(&view);
-            return NULL;
-        }
+        PyBuffer_Release(&view);
+        return NULL;
     }
     char *dst = PyBytes_AS_STRING(data);
     Py_BEGIN_ALLOW_THREADS
