@@ -121,7 +121,7 @@ async def test_bad_gpus_coordinate_fails_cleanly() -> None:
 
 async def test_init_needs_a_proc_mesh() -> None:
     with anyio.fail_after(5), pytest.raises(TypeError, match="needs a ProcMesh"):
-        await init_process_group("procs")  # type: ignore[arg-type]
+        await init_process_group("procs")
 
 
 def test_local_ranks_count_per_host() -> None:
@@ -225,15 +225,15 @@ def test_rl_loop_reward_rises() -> None:
 
 
 def test_one_backend_for_the_whole_group() -> None:
-    from amesh.torch._setup import pick_backend
+    from amesh.torch import _choose_backend
 
-    assert pick_backend([1, 1]) == "nccl"
+    assert _choose_backend("<mesh>", [1, 1], None) == "nccl"
     # a rank without a device would pick gloo alone and the group would hang
-    assert pick_backend([1, 0]) == "gloo"
-    assert pick_backend([0, 0]) == "gloo"
+    assert _choose_backend("<mesh>", [1, 0], None) == "gloo"
+    assert _choose_backend("<mesh>", [0, 0], None) == "gloo"
     # a gpus dimension of 2 on a host with 1 GPU: not one GPU per rank, so gloo for all
-    assert pick_backend([1, 1], [0, 1]) == "gloo"
-    assert pick_backend([2, 2], [0, 1]) == "nccl"
+    assert _choose_backend("<mesh>", [1, 1], [0, 1]) == "gloo"
+    assert _choose_backend("<mesh>", [2, 2], [0, 1]) == "nccl"
 
 
 def test_a_gpu_host_that_gets_gloo_says_why(caplog: pytest.LogCaptureFixture) -> None:

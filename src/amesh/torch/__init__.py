@@ -62,7 +62,7 @@ import anyio
 from .._actor_mesh import ActorMesh
 from .._errors import ActorError, SupervisionError
 from .._proc_mesh import ProcMesh
-from ._setup import RankEnv, TorchSetup, pick_backend, why_not_nccl
+from ._setup import RankEnv, TorchSetup, why_not_nccl
 
 __all__ = ["DistGroup", "init_process_group"]
 
@@ -221,13 +221,17 @@ async def init_process_group(
 
 
 def _choose_backend(procs: ProcMesh, counts: list[int], gpus: list[int] | None) -> str:
-    """:func:`pick_backend`, saying why when ranks that have GPUs get gloo anyway."""
-    backend = pick_backend(counts, gpus)
-    if backend == "gloo" and any(counts):
+    """The backend for a group whose ranks see ``counts`` CUDA devices (with ``gpus``
+    coordinates): nccl where :func:`why_not_nccl` finds nothing against it, else gloo,
+    with a warning saying why when some ranks have GPUs."""
+    why = why_not_nccl(counts, gpus)
+    if why is None:
+        return "nccl"
+    if any(counts):
         log.warning(
             "the process group of %r uses gloo on the CPU, not nccl: %s; pass backend= "
             "to choose, or give each rank a GPU of its own",
             procs,
-            why_not_nccl(counts, gpus),
+            why,
         )
-    return backend
+    return "gloo"

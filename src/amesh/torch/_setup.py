@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import TCPStore
 from .._actor import Actor, current_rank, endpoint
 from .._runtime._runtime import current_runtime
 
-__all__ = ["RankEnv", "TorchSetup", "pick_backend", "why_not_nccl"]
+__all__ = ["RankEnv", "TorchSetup", "why_not_nccl"]
 
 #: What one rank is told: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 #: ``MASTER_ADDR`` and ``MASTER_PORT``, set in its ``os.environ``.
@@ -101,13 +101,6 @@ def why_not_nccl(device_counts: list[int], gpus: list[int] | None = None) -> str
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
     return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
-
-
-def pick_backend(device_counts: list[int], gpus: list[int] | None = None) -> str:
-    """The backend for a group whose ranks see these numbers of CUDA devices and, with
-    a ``gpus`` dimension, have these ``gpus`` coordinates: nccl only where every rank
-    has a device of its own (see :func:`why_not_nccl`), else gloo."""
-    return "gloo" if why_not_nccl(device_counts, gpus) else "nccl"
 
 
 class TorchSetup(Actor):
