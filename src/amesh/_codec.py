@@ -488,6 +488,10 @@ _pool: dict[str, _Kept] = {}  # segments that come back for reuse (see _POOLED)
 #: so no other live file has its inode number (tmpfs numbers them from a counter).
 _maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
 _spare: list[bytes] = []  # bytes read out of segments, to fill again (see SPARE_MIN)
+#: held while the mappings kept of pooled segments are looked up, made and read
+_maps_lock = threading.Lock()
+#: the pages of a segment mapped at once, rather than a fault each on first touch
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _prune_at = 1024
 
 # A segment's name says whose it is: ``amesh-<job>-<pid>.<start>.<pidns>-<n>-<random>``.
@@ -605,9 +609,8 @@ class _Kept:
             os.close(self.fd)
 
 
-def _keep_mapped(fd: int, size: int) -> _Kept:
-    """``fd`` (a segment filled by writes: its pages exist) kept for its next messages."""
-    return _Kept(fd, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), size)
+def _map_rw(fd: int, size: int) -> mmap.mmap:
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def _fill(kept: _Kept, view: memoryview) -> None:
@@ -626,7 +629,7 @@ def _fill(kept: _Kept, view: memoryview) -> None:
         if n > len(kept.mem):
             with contextlib.suppress(BufferError):
                 kept.mem.close()
-            kept.mem = mmap.mmap(kept.fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            kept.mem = _map_rw(kept.fd, n)
     kept.size = n
 
 
@@ -653,10 +656,9 @@ def _create_segment(view: memoryview, poolable: bool = False) -> tuple[str | Non
         # /dev/shm is ENOSPC here instead of SIGBUS.
         _write_all(fd, view)
         if poolable:
-            with _lock:
-                room = len(_pool) < POOL_SEGMENTS and _pooled_bytes() + n <= POOL_BYTES
-            if room:
-                kept = _keep_mapped(fd, n)
+            with _lock:  # (its pages exist now: it may be stored into through a mapping)
+                if len(_pool) < POOL_SEGMENTS and _pooled_bytes() + n <= POOL_BYTES:
+                    kept = _pool[path] = _Kept(fd, _map_rw(fd, n), n)
     except OSError as exc:
         log.debug("cannot fill shared-memory segment %s (%s); sending in the frame", path, exc)
         _forget(path)
@@ -667,8 +669,6 @@ def _create_segment(view: memoryview, poolable: bool = False) -> tuple[str | Non
     if kept is None:
         os.close(fd)
         return path, False
-    with _lock:
-        _pool[path] = kept
     return path, True
 
 
@@ -1074,11 +1074,8 @@ def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:
 
 def _read_all(fd: int, size: int, kind: int) -> bytes | bytearray:
     """The ``size`` bytes of ``fd``, in one copy (up to 2 GiB for ``bytes``)."""
-    if kind == _BYTES and SPARE_MIN <= size <= SPARE_MAX and _pread_bytes is not None:
-        data, reused = _pread_bytes(fd, size, _spare)
-        if not reused:
-            _keep_spare(data)
-        return data
+    if kind == _BYTES and SPARE_MIN <= size <= SPARE_MAX and _ext is not None:
+        return _refilled(_ext.pread_bytes, fd, size)
     if kind == _BYTES:
         data = os.read(fd, size)
         if len(data) < size:  # Linux reads at most 2 GiB at a time
@@ -1104,11 +1101,8 @@ def _read_kept(fd: int, key: tuple[int, int], size: int, kind: int) -> bytes | b
             _maps.move_to_end(key)
         else:
             mem = _map_kept(fd, key, size)
-        if kind == _BYTES and _copy_bytes is not None and SPARE_MIN <= size <= SPARE_MAX:
-            data, reused = _copy_bytes(mem, size, _spare)
-            if not reused:
-                _keep_spare(data)
-            return data
+        if kind == _BYTES and SPARE_MIN <= size <= SPARE_MAX and _ext is not None:
+            return _refilled(_ext.copy_bytes, mem, size)
         with memoryview(mem) as whole, whole[:size] as part:
             return bytes(part) if kind == _BYTES else bytearray(part)
 
@@ -1130,35 +1124,32 @@ def _map_kept(fd: int, key: tuple[int, int], size: int) -> mmap.mmap:
     return mem
 
 
-#: the pages of a segment mapped at once, rather than a fault each on first touch
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-#: held while the mappings kept of pooled segments are looked up, made and read
-_maps_lock = threading.Lock()
+def _refilled(
+    fill: Callable[[Any, int, list[bytes]], tuple[bytes, bool]], source: Any, size: int
+) -> bytes:
+    """``fill(source, size, _spare)`` (:func:`amesh._ext.pread_bytes` or ``copy_bytes``):
+    the bytes, in a spare object when one is free, else in a new one kept as a spare
+    from now on (see :data:`SPARE_MIN`), the oldest spares let go."""
+    data, reused = fill(source, size, _spare)
+    if not reused:
+        with _lock:
+            _spare.append(data)
+            total = sum(map(len, _spare))
+            while len(_spare) > SPARE_OBJECTS or total > SPARE_BYTES:
+                total -= len(_spare.pop(0))
+    return data
 
 
-def _keep_spare(data: bytes) -> None:
-    """Keep ``data`` to fill again later (see :data:`SPARE_MIN`), letting the oldest go."""
-    with _lock:
-        _spare.append(data)
-        total = sum(map(len, _spare))
-        while len(_spare) > SPARE_OBJECTS or total > SPARE_BYTES:
-            total -= len(_spare.pop(0))
-
-
-def _c_ext() -> Any:
+def _c_ext() -> types.ModuleType | None:
     try:
         from . import _ext
-    except ImportError:  # not built: a new bytes object for each
+    except ImportError:  # not built: a new bytes object for each, read from the file
         return None
     return _ext
 
 
-_pread_bytes: Callable[[int, int, list[bytes]], tuple[bytes, bool]] | None = getattr(
-    _c_ext(), "pread_bytes", None
-)
-_copy_bytes: Callable[[Any, int, list[bytes]], tuple[bytes, bool]] | None = getattr(
-    _c_ext(), "copy_bytes", None
-)
+#: the C extension, for refilling large received bytes (None where it is not built)
+_ext = _c_ext()
 
 _LOAD_SEGMENT = _global_op(_load_segment.__module__, _load_segment.__name__)
 # A segment reference as _segment_ref writes it, up to the path's length.
