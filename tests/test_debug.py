@@ -307,3 +307,123 @@ def test_a_worker_refuses_a_listener_without_the_key() -> None:
     finally:
         thread.join(EXPECT)
         listener.close()
+
+
+DEEP = """
+import os
+import sys
+
+import anyio
+
+import amesh
+
+
+def deeper(x: int) -> int:
+    breakpoint()  # the deep pause
+    return x + 1
+
+
+class W(amesh.Actor):
+    @amesh.endpoint
+    def step(self, x: int) -> int:
+        return deeper(x)
+
+
+class E(amesh.Actor):
+    @amesh.endpoint
+    async def ping(self, x: int) -> str:
+        return f"pong {x} from pid {os.getpid()}"
+
+
+async def main() -> None:
+    async with amesh.ProcMesh(per_host={"procs": 1}) as procs:
+        print("pids:", *procs.pids, flush=True)
+        w = await procs.spawn("w", W)
+        e = await procs.spawn("e", E)
+        for turn in range(2):
+            async with anyio.create_task_group() as tg:
+
+                async def call() -> None:
+                    print(f"result {turn}: {await w.step.call_one(41)}", flush=True)
+
+                tg.start_soon(call)
+                await anyio.to_thread.run_sync(sys.stdin.readline)  # the test saw it pause
+                with anyio.move_on_after(0.5 if turn == 0 else EXPECT) as waited:
+                    print(await e.ping.call_one(turn), flush=True)
+                if waited.cancelled_caught:
+                    print(f"ping {turn} waits", flush=True)
+                await amesh.debug()
+
+
+amesh.run(main)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_breakpoint_below_an_endpoint_holds_the_loop_once(tmp_path: Path, state: Path) -> None:
+    """An endpoint without ``breakpoint()`` in its own code runs without a greenlet: a
+    pause in a function it calls holds its process (another actor's call there waits),
+    the worker says so, and from then on the endpoint pauses alone."""
+    script = tmp_path / "controller.py"
+    script.write_text(DEEP.replace("EXPECT", str(EXPECT)))
+    child = _spawn([str(script)], tmp_path, state)
+    try:
+        (pid,) = _worker_pids(child)
+        for turn in range(2):
+            child.expect(r"amesh: w\[0\] at controller\.py:\d+ paused")
+            child.sendline("")
+            if turn == 0:  # the process serves nothing while the handler is paused
+                child.expect(r"ping 0 waits\r\n")
+            else:  # the endpoint now has a greenlet: the pause holds it alone
+                child.expect(rf"pong 1 from pid {pid}\r\n")
+            child.expect(r"attached to w\[0\]")
+            child.expect(PROMPT)
+            child.sendline("p x")
+            child.expect(r"\r\n41\r\n")
+            child.expect(PROMPT)
+            child.sendline("c")
+            if turn == 0:  # printed by the handler: before its result
+                child.expect(r"paused outside a greenlet: this process serves nothing else")
+            child.expect(rf"result {turn}: 42\r\n")
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+    finally:
+        child.close(force=True)
+
+
+def test_may_pause_reads_the_code_of_an_endpoint() -> None:
+    import functools
+    import pdb
+
+    from amesh._runtime._pausable import may_pause
+
+    def plain(x: int) -> int:
+        return x + 1
+
+    def pauses(x: int) -> int:
+        breakpoint()
+        return x
+
+    def traces() -> None:
+        pdb.set_trace()
+
+    def nested() -> object:
+        return lambda: breakpoint()
+
+    @functools.wraps(pauses)
+    def wrapper(x: int) -> int:
+        return pauses(x)
+
+    class Callable_:
+        def __call__(self) -> None:
+            breakpoint()
+
+    assert not may_pause(plain)
+    assert not may_pause(lambda: None)
+    assert may_pause(pauses)
+    assert may_pause(traces)
+    assert may_pause(nested)
+    assert may_pause(wrapper)  # what it wraps pauses
+    assert may_pause(Callable_())
+    assert may_pause(len)  # no Python code to read: assume it may

@@ -9,8 +9,10 @@ from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Typ
 
 import anyio
 
+from ._config import settings
 from ._runtime._context import call_context
 from ._runtime._mailbox import Handler
+from ._runtime._pausable import may_pause
 from ._shape import Point
 
 __all__ = [
@@ -177,9 +179,20 @@ class Actor:
 
 
 def handlers_of(cls: type) -> dict[str, Handler]:
-    """The dispatch table of an actor class."""
+    """The dispatch table of an actor class (one per actor instance: it may change, see
+    :meth:`~amesh._runtime._mailbox.ActorInstance.pause_in_greenlet`)."""
     eps: dict[str, EndpointDescriptor[Any, Any]] = getattr(cls, "_amesh_endpoints", {})
-    return {name: Handler(ep.fn, ep.concurrent, ep.thread) for name, ep in eps.items()}
+    anywhere = settings().pause_anywhere
+    return {
+        name: Handler(
+            ep.fn,
+            ep.concurrent,
+            ep.thread,
+            pausable=anywhere or may_pause(ep.fn),
+            awaits=inspect.iscoroutinefunction(ep.fn),
+        )
+        for name, ep in eps.items()
+    }
 
 
 def _ctx() -> Any:

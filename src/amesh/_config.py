@@ -195,6 +195,13 @@ class Settings:
     debug: bool = _setting(
         False, "Remote tracebacks keep amesh's own frames (which they leave out)."
     )
+    pause_anywhere: bool = _setting(
+        False,
+        "Run every handler in a greenlet of its own, so that a `breakpoint()` anywhere "
+        "in the code it calls pauses that handler only (off: only endpoints whose own "
+        "code calls `breakpoint()` or `pdb.set_trace()`, and those that paused once; "
+        "about 10 µs more per call).",
+    )
     backend: str = _setting(
         "asyncio", "The event loop of `amesh.run`.", choices=("asyncio", "trio")
     )

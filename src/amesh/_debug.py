@@ -59,7 +59,7 @@ from anyio.lowlevel import EventLoopToken, current_token
 
 from ._config import take_internal
 from ._runtime._context import call_context
-from ._runtime._pausable import debugged_here, wait_off_loop
+from ._runtime._pausable import debugged_here, paused_outside, wait_off_loop
 from ._runtime._session import bridged
 from ._transport._auth import (
     HANDSHAKE_TIMEOUT,
@@ -622,6 +622,22 @@ def breakpointhook(*args: Any, **kwargs: Any) -> Any:
             flush=True,
         )
     debugger = _RemotePdb(_Channel(conn))
+    ctx = call_context.get()
+    if (
+        ctx is not None
+        and ctx.instance is not None
+        and paused_outside()
+        and ctx.instance.pause_in_greenlet(ctx.scope)
+    ):
+        # This pause holds the event loop (the handler has no greenlet of its own):
+        # say so; the endpoint has one from its next call on.
+        print(
+            f"amesh: {where} paused outside a greenlet: this process serves nothing "
+            "else until the session ends (later calls of this endpoint pause alone; "
+            "AMESH_PAUSE_ANYWHERE=1 makes every handler pausable alone)",
+            file=sys.stderr,
+            flush=True,
+        )
     debugged_here(debugger.handler_ended)
     debugger.set_trace(frame)
     return None

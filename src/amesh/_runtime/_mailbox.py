@@ -15,8 +15,8 @@ import os
 import sys
 import traceback
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,7 +27,7 @@ from .. import _codec, _wire
 from .._config import debug
 from ._capture import before_reply
 from ._context import CallContext, call_context, is_local, native_wakeup_class, runtime_var
-from ._pausable import LazyScope, run_handler_in
+from ._pausable import LazyScope, debugging_direct, end_direct, run_handler_in
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -46,12 +46,16 @@ STOP_TIMEOUT = 10.0
 
 @dataclass(frozen=True)
 class Handler:
-    """How to run one endpoint: the function, whether calls may interleave, and
-    whether it runs in a worker thread (sync endpoints only)."""
+    """How to run one endpoint: the function, whether calls may interleave, whether
+    it runs in a worker thread (sync endpoints only), whether it runs in a greenlet of
+    its own so that a debugger can pause it alone (see :mod:`._pausable`), and
+    whether ``fn`` is a coroutine function."""
 
     fn: Callable[..., Any]
     concurrent: bool
     thread: bool = False
+    pausable: bool = True
+    awaits: bool = False
 
 
 #: A result made of at most this many small objects is pickled on the event loop;
@@ -165,8 +169,17 @@ def _run_in_thread(
     fn: Callable[..., Any], obj: Any, args: Any, kwargs: Any, reply: bool, shm: bool
 ) -> tuple[Any, _codec.Payload | None]:
     """Run a threaded endpoint, and pickle its result if it goes in a reply."""
-    result = fn(obj, *args, **kwargs)
+    try:
+        result = fn(obj, *args, **kwargs)
+    finally:
+        if debugging_direct():  # a debugger session ends with the handler
+            end_direct()
     return result, (_codec.dumps(result, shm=shm) if reply else None)
+
+
+#: Results that are never awaitable: no need to ask (``inspect.isawaitable`` is an
+#: ABC check).
+_NOT_AWAITABLE = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
 
 
 class ActorInstance:
@@ -188,7 +201,7 @@ class ActorInstance:
         key: str,
         name: str,
         obj: Any,
-        handlers: Mapping[str, Handler],
+        handlers: MutableMapping[str, Handler],
         owner: str,
         rank: int,
     ) -> None:
@@ -254,6 +267,20 @@ class ActorInstance:
         if wakeup is not None:
             self._wakeup = None
             wakeup.set()
+
+    def pause_in_greenlet(self, scope: Any) -> bool:
+        """The handler running in ``scope`` pauses in a debugger: True if it runs on the
+        event loop without a greenlet of its own (its ``breakpoint()`` is in code it
+        calls), so that the pause holds the loop. Its endpoint then runs in one from
+        its next call on, and a pause there holds that handler only."""
+        method = self._running.get(scope) if scope is not None else None
+        if method is None:
+            return False
+        handler = self.handlers.get(method)
+        if handler is None or handler.pausable or handler.thread:
+            return False
+        self.handlers[method] = replace(handler, pausable=True)
+        return True
 
     def close(self) -> None:
         """Stop taking messages; the loop ends once the queue is drained."""
@@ -409,9 +436,21 @@ class ActorInstance:
                 run = partial(_run_in_thread, handler.fn, self.obj, args, kwargs, is_call, shm)
                 with scope.open():
                     result, payload = await anyio.to_thread.run_sync(run)
-            else:
+            elif handler.pausable:
                 # in a greenlet of its own: a breakpoint() pauses the handler only
                 result = await run_handler_in(scope, handler.fn, (self.obj, *args), kwargs)
+            else:
+                try:
+                    result = handler.fn(self.obj, *args, **kwargs)
+                    if handler.awaits or (
+                        type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result)
+                    ):
+                        steps, result = result, None
+                        with scope.open():
+                            result = await steps
+                finally:
+                    if debugging_direct():  # it paused, holding the loop (see _pausable)
+                        end_direct()
             if is_call and payload is None and not cheap_to_pickle(result):
                 with scope.open():
                     payload = await anyio.to_thread.run_sync(partial(_codec.dumps, result, shm=shm))

@@ -5,7 +5,7 @@ stops that thread where the handler stands: pdb waits there for its next line of
 and with a plain call nothing else in the process would run until the user typed
 ``continue`` (not the other actors, not the replies, not the process's heartbeats).
 
-So :func:`run_handler` runs each handler in a greenlet of its own, on the loop's thread:
+So :func:`run_handler` runs a handler in a greenlet of its own, on the loop's thread:
 the handler's code, and every step of its coroutine, run in that greenlet, and each time
 the coroutine waits, the greenlet hands what it waits on to the task that drives it.
 When pdb needs a line, :func:`wait_off_loop` leaves the handler's greenlet with the
@@ -15,6 +15,15 @@ greenlet runs, so that stepping stays in the paused handler.
 
 Outside such a greenlet (a handler in a worker thread, code that is no handler)
 :func:`wait_off_loop` just blocks.
+
+A greenlet costs a round trip about a tenth of its time (the switches in and out, on a
+cold cache), so the mailbox gives one only to handlers that may pause:
+:func:`may_pause` finds ``breakpoint()`` or ``pdb.set_trace()`` in an endpoint's own
+code, a handler that paused once without a greenlet gets one from then on
+(:func:`paused_outside`), and the ``pause_anywhere`` setting gives every handler one.
+A handler called directly that pauses (its ``breakpoint()`` is in a function it calls)
+holds the event loop while it waits for the debugger; :func:`end_direct` ends the
+session when the handler returns, as a greenlet's end does.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import types
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
@@ -32,6 +42,10 @@ __all__ = [
     "LazyScope",
     "awaited_handler",
     "debugged_here",
+    "debugging_direct",
+    "end_direct",
+    "may_pause",
+    "paused_outside",
     "run_handler",
     "run_handler_in",
     "wait_off_loop",
@@ -49,6 +63,31 @@ _SEND, _THROW = 0, 1
 _Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 #: Idle handler greenlets kept for reuse, per thread: a new one costs some microseconds.
 _IDLE_MAX = 64
+#: Names whose use in an endpoint's code means it may stop in a debugger.
+_PAUSES = frozenset({"breakpoint", "set_trace", "post_mortem"})
+
+
+def may_pause(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` may stop in a debugger by itself: its code (or a function or
+    lambda defined in it, or a function it wraps) names ``breakpoint``, ``set_trace``
+    or ``post_mortem``. True for a callable without Python code (nothing to read)."""
+    codes: list[types.CodeType] = []
+    f: Any = fn
+    while f is not None and len(codes) < 64:  # (a __wrapped__ chain may loop)
+        code = getattr(f, "__code__", None)
+        if code is None:  # an object with __call__, a builtin
+            call = inspect.getattr_static(type(f), "__call__", None)
+            code = getattr(call, "__code__", None)
+            if code is None:
+                return True
+        codes.append(code)
+        f = getattr(f, "__wrapped__", None)
+    while codes:
+        code = codes.pop()
+        if not _PAUSES.isdisjoint(code.co_names):
+            return True
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return False
 
 
 class _Handler(greenlet):  # type: ignore[misc]  # greenlet has no stubs for subclassing
@@ -116,6 +155,9 @@ class _Handler(greenlet):  # type: ignore[misc]  # greenlet has no stubs for sub
 class _Idle(threading.local):
     def __init__(self) -> None:
         self.handlers: list[_Handler] = []
+        #: debugger sessions begun in a handler called without a greenlet on this
+        #: thread, to end with it (see end_direct)
+        self.ends: list[Callable[[], None]] = []
 
 
 _idle = _Idle()
@@ -256,7 +298,34 @@ def wait_off_loop(fn: Callable[[], T]) -> T:
 def debugged_here(end: Callable[[], None]) -> None:
     """A debugger starts in the handler that calls this: its trace function is set
     only while the handler runs, and ``end()`` ends its session when the handler
-    ends (if it is still on). Nothing outside a handler run by :func:`run_handler`."""
+    ends (if it is still on). In a handler called directly, :func:`end_direct` calls
+    ``end()`` once the handler is over."""
     g = getcurrent()
     if isinstance(g, _Handler):
         g.debugger = end
+    else:
+        _idle.ends.append(end)
+
+
+def paused_outside() -> bool:
+    """True if the code that asks runs on this thread's main greenlet, not in a
+    handler's greenlet: a pause there holds the event loop of this thread."""
+    return not isinstance(getcurrent(), _Handler)
+
+
+def debugging_direct() -> bool:
+    """Whether a debugger session began in the handler called directly on this
+    thread (then :func:`end_direct` is due when it returns)."""
+    return bool(_idle.ends)
+
+
+def end_direct() -> None:
+    """End the debugger sessions begun in the handler that just returned (called
+    directly, without a greenlet, on this thread), and the tracing they set."""
+    ends = _idle.ends[:]
+    _idle.ends.clear()
+    try:
+        for end in ends:
+            end()
+    finally:
+        sys.settrace(None)
