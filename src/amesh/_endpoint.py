@@ -202,7 +202,11 @@ class MeshEndpoint(Generic[P, R]):
         if keys:
             return self._encode_each(args, kwargs, keys, targets, shm)
         # receivers on this host: large buffers may go through shared memory
-        shm = shm and all(is_local(addr) for addr in targets.values())
+        if shm:
+            if len(targets) == 1:
+                shm = is_local(next(iter(targets.values())))
+            else:
+                shm = all(is_local(addr) for addr in targets.values())
         payload = self._dump_args(args, kwargs, shm)
         if len(targets) == 1 or not payload.segments:
             return payload

@@ -449,6 +449,8 @@ def encode(env: Envelope, buffers: list[Any] | None = None) -> Frame:
 def pack(data: bytes, buffers: list[Any]) -> tuple[bytes, list[int], list[Any]]:
     """``(envelope payload, buffer lengths, parts)`` for a pickle and its buffers."""
     if len(data) < INLINE_LIMIT:
+        if not buffers:  # the common case
+            return data, [], buffers
         return data, [memoryview(b).nbytes for b in buffers], buffers
     parts = [data, *buffers]
     return b"", [memoryview(b).nbytes for b in parts], parts

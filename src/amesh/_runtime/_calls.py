@@ -137,14 +137,24 @@ class Calls:
             self.inflight[k] = self.inflight.get(k, 0) + 1
         return pending
 
-    def close(self, pending: Pending) -> set[tuple[str, int]]:
+    def close(self, pending: Pending, waiting: bool = True) -> set[tuple[str, int]]:
         """Forget ``pending``; returns where it still waits, as ``(address, request
-        id)`` of ranks and relays (see :meth:`Pending.cancels`)."""
+        id)`` of ranks and relays (see :meth:`Pending.cancels`), if ``waiting``."""
         self.pending.pop(pending.call_id, None)
-        for addr in pending.targets.values():
+        targets = pending.targets
+        if not targets:  # every rank answered (the common case)
+            if pending.items or pending.payload is not None:
+                self._drop(pending)
+            return set()
+        for addr in targets.values():
             self.dec_inflight(addr, pending.actor)
-        waiting = pending.cancels()
-        pending.targets.clear()
+        out = pending.cancels() if waiting else set()
+        targets.clear()
+        self._drop(pending)
+        return out
+
+    def _drop(self, pending: Pending) -> None:
+        """Let go of what ``pending`` still holds: replies nobody read, arguments."""
         # Replies nobody will read (the call ended early), and the arguments' segments
         # (a receiver that has not loaded them by now never will).
         for _, ok, value in pending.items:
@@ -154,7 +164,6 @@ class Calls:
         if pending.payload is not None:
             _codec.release_payload(pending.payload)
             pending.payload = None
-        return waiting
 
     def dec_inflight(self, addr: str, actor: str) -> None:
         k = (addr, actor)

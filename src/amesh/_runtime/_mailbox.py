@@ -409,7 +409,8 @@ class ActorInstance:
         is_call = isinstance(env, _wire.Call)
         chain = list(env.chain) if isinstance(env, _wire.Call) else []
         if handler is not None and not handler.concurrent:
-            chain.append(self.chain_entry(env.method))
+            entry = self._entries.get(env.method)
+            chain.append(entry if entry is not None else self.chain_entry(env.method))
         where = (env.labels, env.sizes, env.rank)
         ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain)
         token = call_context.set(ctx)
@@ -451,9 +452,13 @@ class ActorInstance:
                 finally:
                     if debugging_direct():  # it paused, holding the loop (see _pausable)
                         end_direct()
-            if is_call and payload is None and not cheap_to_pickle(result):
-                with scope.open():
-                    payload = await anyio.to_thread.run_sync(partial(_codec.dumps, result, shm=shm))
+            if is_call and payload is None:
+                # (a few builtins pickle at once; only a bigger result may take long)
+                payload = _codec.dumps_plain(result)
+                if payload is None and not cheap_to_pickle(result):
+                    with scope.open():
+                        dump = partial(_codec.dumps, result, shm=shm)
+                        payload = await anyio.to_thread.run_sync(dump)
         except Exception as exc:  # any pickling error is the call's, not the process's
             failure = exc
         finally:

@@ -123,6 +123,18 @@ class Router:
             return
         data, lengths, parts = _wire.pack(payload.data, payload.buffers)
         call_id = pending.call_id
+        me = self.address
+        if tree is None:  # each rank directly (a call_one, a small mesh)
+            for rank, addr in list(pending.targets.items()):
+                call = _wire.Call(
+                    me, call_id, rank, pending.actor, method, labels, sizes, data, chain,
+                    lengths, me, call_id,
+                )  # fmt: skip
+                waiting = self._links.send_soon(addr, call, parts)
+                if waiting is not None:
+                    await waiting
+                self._calls.sent += 1
+            return
         req = _wire.Relay(
             self.address, call_id, -1, pending.actor, method, labels, sizes, data, chain,
             lengths, self.address, call_id, [],

@@ -254,7 +254,7 @@ class Runtime:
 
     def close_call(self, pending: Pending, cancel: bool) -> None:
         """Forget ``pending``; with ``cancel``, ask the ranks that did not answer to stop."""
-        waiting = self.calls.close(pending)
+        waiting = self.calls.close(pending, cancel)
         if cancel:
             for addr, request_id in waiting:
                 if addr not in self.dead:

@@ -291,9 +291,8 @@ class StreamTransport:
     def try_send(self, addr: str, frame: Frame) -> bool:
         bufs, total, size = self._frame(frame)
         link = self._links.get(addr) or self._link(addr)
-        if link.waiters or not link.writable():
+        if link.waiters or not link.try_write(bufs, total):
             return False
-        link.write(bufs, total)
         self._sent += 1
         self._bytes_sent += size
         return True

@@ -379,6 +379,19 @@ class AioLink(Waiters):
             return not conn.paused
         return self.pending_bytes < HIGH_WATER
 
+    def try_write(self, bufs: list[Buf], total: int) -> bool:
+        """:meth:`write` if :meth:`writable`, in one step; False: full, nothing done."""
+        conn = self._live()
+        if conn is None:
+            if self.pending_bytes >= HIGH_WATER:
+                return False
+            self.write(bufs, total)
+        elif conn.paused:
+            return False
+        elif not conn.write(bufs, total):
+            self.fail("the connection broke")
+        return True
+
     def write(self, bufs: list[Buf], total: int) -> None:
         """Write or queue one frame; a broken link drops it (its loss is reported)."""
         conn = self._live()
@@ -564,6 +577,13 @@ class AnyioLink(Waiters):
 
     def writable(self) -> bool:
         return self.queued < HIGH_WATER
+
+    def try_write(self, bufs: list[Buf], total: int) -> bool:
+        """:meth:`write` if :meth:`writable`, in one step; False: full, nothing done."""
+        if self.queued >= HIGH_WATER:
+            return False
+        self.write(bufs, total)
+        return True
 
     def write(self, bufs: list[Buf], total: int) -> None:
         """Write or queue one frame; a broken link drops it (its loss is reported)."""
