@@ -88,6 +88,7 @@ class ActorMesh(MeshView, Generic[A]):
         await self._owner._stop_actor_mesh(self)
 
     def _targets(self) -> dict[int, str]:
+        """Rank -> the address of its process now (a restart changes it)."""
         procs = self._procs
         return {rank: procs[slot] for rank, slot in enumerate(self._shape.slots)}
 
@@ -99,12 +100,18 @@ class ActorMesh(MeshView, Generic[A]):
         return ws
 
     def _tree(self) -> Tree | None:
-        """The relay tree, when this mesh is big enough to use one, or spans hosts."""
-        if self._fanout < 2 or (
-            len(self._procs) <= self._fanout and not grouped(self._procs, self._group)
+        """The relay tree, when this mesh is big enough to use one, or spans hosts
+        (made once: it holds the list of addresses that a restart changes in place)."""
+        if "_tr" in self.__dict__:
+            cached: Tree | None = self.__dict__["_tr"]
+            return cached
+        tree: Tree | None = None
+        if self._fanout >= 2 and (
+            len(self._procs) > self._fanout or grouped(self._procs, self._group)
         ):
-            return None
-        return Tree(self._procs, dict(enumerate(self._shape.slots)), self._fanout, self._group)
+            tree = Tree(self._procs, dict(enumerate(self._shape.slots)), self._fanout, self._group)
+        self.__dict__["_tr"] = tree
+        return tree
 
     def endpoint(self, desc: EndpointDescriptor[P, R]) -> MeshEndpoint[P, R]:
         """The endpoint ``desc`` of these actors, typed by its signature:

@@ -405,22 +405,25 @@ class MeshEndpoint(Generic[P, R]):
             ActorError, SupervisionError, TimeoutError, TypeError: as :meth:`call`.
         """
         mesh = self._mesh
-        if len(mesh) != 1:
+        # the hot path: no generator, no ValueMesh, as few calls as can be
+        targets = mesh._targets()
+        if len(targets) != 1:
             raise ValueError(
                 f"call_one needs a mesh of exactly one rank, {mesh.name} has "
                 f"{len(mesh)} ({mesh.sizes}); slice it or use call()"
             )
-        # the hot path: no generator, no ValueMesh
-        targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        deadline = _deadline(self._timeout)
+        timeout = self._timeout
         rt = current_runtime()
         labels, sizes = mesh._wire_shape()
-        pending = rt.open_call(mesh.key, targets, mesh._shape.slots)
+        pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
         done = False
         try:
             await rt.send_requests(pending, self._desc.name, labels, sizes, payload, mesh._tree())
-            rank, ok, value = await self._next(pending, deadline)
+            if timeout is None:
+                rank, ok, value = await pending.next()
+            else:
+                rank, ok, value = await self._next(pending, _deadline(timeout))
             if not ok:
                 self._raise(Shape(labels, sizes), rank, value)
             result: R = _codec.loads(*value)

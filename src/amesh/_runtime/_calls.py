@@ -130,7 +130,7 @@ class Calls:
 
         ``slots`` gives the rank in the whole actor mesh of each called rank, for
         messages (empty when the call is to the whole mesh)."""
-        pending = Pending(self.next_id(), actor, dict(targets), self._new_event, slots)
+        pending = Pending(next(self._ids), actor, dict(targets), self._new_event, slots)
         self.pending[pending.call_id] = pending
         for addr in targets.values():
             k = (addr, actor)

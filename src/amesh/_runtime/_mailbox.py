@@ -27,7 +27,7 @@ from .. import _codec, _wire
 from .._config import debug
 from ._capture import before_reply
 from ._context import CallContext, call_context, is_local, native_wakeup_class, runtime_var
-from ._pausable import LazyScope, debugging_direct, end_direct, run_handler_in
+from ._pausable import LazyScope, debugging_direct, end_direct, handler_local, run_handler_in
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -450,7 +450,7 @@ class ActorInstance:
                         with scope.open():
                             result = await steps
                 finally:
-                    if debugging_direct():  # it paused, holding the loop (see _pausable)
+                    if handler_local.ends:  # it paused, holding the loop (see _pausable)
                         end_direct()
             if is_call and payload is None:
                 # (a few builtins pickle at once; only a bigger result may take long)

@@ -44,6 +44,7 @@ __all__ = [
     "debugged_here",
     "debugging_direct",
     "end_direct",
+    "handler_local",
     "may_pause",
     "paused_outside",
     "run_handler",
@@ -161,6 +162,9 @@ class _Idle(threading.local):
 
 
 _idle = _Idle()
+#: this thread's idle greenlets and debugger sessions to end (``.ends``: see
+#: :func:`end_direct`), for a caller that checks without a function call
+handler_local = _idle
 
 
 class _Pass:

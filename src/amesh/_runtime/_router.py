@@ -107,7 +107,7 @@ class Router:
         scattered call, with a payload per rank, as one request per rank)."""
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
-        if any(a in self._dead for a in pending.targets.values()):
+        if self._dead and any(a in self._dead for a in pending.targets.values()):
             # All or nothing: a call that includes a dead rank fails at once and
             # reaches no rank at all.
             for rank, addr in list(pending.targets.items()):

@@ -366,7 +366,15 @@ class Runtime:
                 self.dispatch.reply_error(peer, exc.call_id, exc.rank, ProtocolError, msg)
             return
         try:
-            self._route(env, buffers, peer)
+            # nearly every frame is a call or a reply: those first, without _route
+            if type(env) is _wire.Reply:
+                self._on_reply(env, buffers, env.call_id, peer)
+            elif type(env) is _wire.Call:
+                dispatch = self.dispatch
+                if not dispatch.is_duplicate(env.sender, env.call_id):
+                    dispatch.accept(env, buffers)
+            else:
+                self._route(env, buffers, peer)
         except Exception as exc:  # a router bug must not take the process down
             self._frames_dropped += 1
             _drops.warning(

@@ -74,7 +74,8 @@ class AioInbound(asyncio.BufferedProtocol):
 
     def __init__(self, owner: StreamTransport) -> None:
         self._owner = owner
-        self._reader = owner.reader(self._emit)
+        # (frames go straight to the transport: no method of ours in between)
+        self._reader = owner.reader(partial(owner._inbound_frame, conn=self))
         self._gate: Gate | None = Gate(owner.address)
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
@@ -148,9 +149,6 @@ class AioInbound(asyncio.BufferedProtocol):
         self._gate = None
         self._owner._refusals.refuse(self._who, why)
         self.abort()
-
-    def _emit(self, frame: Buf) -> None:
-        self._owner._inbound_frame(frame, self)
 
     def eof_received(self) -> bool | None:
         return None  # close our end too

@@ -225,9 +225,7 @@ class Reader:
                 self._emit(big)
             return
         self._end += n
-        self._parse()
-
-    def _parse(self) -> None:
+        # (what follows runs for every read: written out here, not in a method)
         view, end = self._view, self._end
         frames, pos, size = self._cut(self._buf, self._start, end, self._max)
         self._start = pos
