@@ -140,7 +140,11 @@ class ActorMesh(MeshView, Generic[A]):
                 f"{self.actor_class.__qualname__} has no endpoint {name!r} "
                 f"(endpoints: {', '.join(sorted(eps)) or 'none'})"
             )
-        return MeshEndpoint(self, desc)
+        ep: MeshEndpoint[..., Any] = MeshEndpoint(self, desc)
+        # kept: `mesh.name` finds it from now on without coming here (an actor class's
+        # endpoints are fixed when it is defined)
+        self.__dict__[name] = ep
+        return ep
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self.name!r} of {self.actor_class.__qualname__} {self.sizes}>"

@@ -201,6 +201,10 @@ class MeshEndpoint(Generic[P, R]):
         keys = _scattered(args, kwargs)
         if keys:
             return self._encode_each(args, kwargs, keys, targets, shm)
+        # a few builtins (most calls): pickled at once, never through shared memory
+        plain = _codec.dumps_plain((args, kwargs))
+        if plain is not None:
+            return plain
         # receivers on this host: large buffers may go through shared memory
         if shm:
             if len(targets) == 1:

@@ -224,9 +224,17 @@ class Calls:
                 peer,
             )
             return True
-        self.dec_inflight(addr, pending.actor)
-        if isinstance(env, _wire.Reply):
-            pending.push(env.rank, True, _wire.unpack(env.payload, buffers))
+        k = (addr, pending.actor)  # (dec_inflight, inline)
+        n = self.inflight.get(k, 0) - 1
+        if n > 0:
+            self.inflight[k] = n
+        else:
+            self.inflight.pop(k, None)
+        if type(env) is _wire.Reply:
+            data = env.payload
+            # (_wire.unpack, inline)
+            value = (data, buffers) if data or not buffers else (buffers[0], buffers[1:])
+            pending.push(env.rank, True, value)
         else:
             pending.push(env.rank, False, env)
         return True

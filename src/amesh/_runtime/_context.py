@@ -16,7 +16,15 @@ if TYPE_CHECKING:
     from ._mailbox import ActorInstance
     from ._runtime import Runtime
 
-__all__ = ["CallContext", "call_context", "is_local", "native_event_class", "runtime_var"]
+__all__ = [
+    "CallContext",
+    "call_context",
+    "is_local",
+    "is_local_cached",
+    "local_addresses",
+    "native_event_class",
+    "runtime_var",
+]
 
 runtime_var: ContextVar[Runtime | None] = ContextVar("amesh_runtime", default=None)
 
@@ -82,6 +90,21 @@ def is_local(addr: str) -> bool:
         return True
     rest = addr.split("://", 1)[-1]
     return rest.startswith(_LOOPBACK)
+
+
+#: :func:`is_local` of the addresses asked about so far, for the hot path: a worker
+#: asks it of its caller on every call (``local.get(addr)``, None: not asked yet)
+local_addresses: dict[str, bool] = {}
+
+
+def is_local_cached(addr: str) -> bool:
+    """:func:`is_local`, remembered (for a bounded number of addresses)."""
+    local = local_addresses.get(addr)
+    if local is None:
+        local = is_local(addr)
+        if len(local_addresses) < 65536:
+            local_addresses[addr] = local
+    return local
 
 
 def native_event_class() -> Any:

@@ -26,7 +26,14 @@ from anyio.abc import TaskGroup
 from .. import _codec, _wire
 from .._config import debug
 from ._capture import before_reply
-from ._context import CallContext, call_context, is_local, native_wakeup_class, runtime_var
+from ._context import (
+    CallContext,
+    call_context,
+    is_local_cached,
+    local_addresses,
+    native_wakeup_class,
+    runtime_var,
+)
 from ._pausable import LazyScope, debugging_direct, end_direct, handler_local, run_handler_in
 
 if TYPE_CHECKING:
@@ -422,14 +429,19 @@ class ActorInstance:
         if isinstance(env, _wire.Call):
             dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
             # one receiver: large buffers may go through shared memory
-            shm = is_local(dest)
+            local = local_addresses.get(dest)
+            shm = local if local is not None else is_local_cached(dest)
         result: Any = None
         payload: _codec.Payload | None = None
         failure: BaseException | None = None
         try:
             if handler is None:
                 raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
-            args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
+            data = env.payload  # (_wire.unpack, inline)
+            if data or not buffers:
+                args, kwargs = _codec.loads(data, buffers)
+            else:
+                args, kwargs = _codec.loads(buffers[0], buffers[1:])
             if handler.thread:
                 # In a worker thread, which pickles the result too; a cancel
                 # waits for it to return (the actor stays serial), and
@@ -478,7 +490,10 @@ class ActorInstance:
             except Exception as exc:
                 failure = exc
             else:
-                data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+                if payload.buffers or len(payload.data) >= _wire.INLINE_LIMIT:
+                    data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+                else:  # (pack's common case, inline)
+                    data, lengths, parts = payload.data, [], []
                 reply = _wire.Reply(reply_id, env.rank, data, lengths)
                 before_reply()  # what the handler printed reaches the caller first
                 try:

@@ -289,7 +289,12 @@ class StreamTransport:
         self._lost_handler = handler
 
     def try_send(self, addr: str, frame: Frame) -> bool:
-        bufs, total, size = self._frame(frame)
+        if type(frame) is bytes and not self._closed and len(frame) <= self._max_frame:
+            size = len(frame)  # the common case of _frame, inline
+            bufs: list[Buf] = [HEADER.pack(size), frame]
+            total = size + HLEN
+        else:
+            bufs, total, size = self._frame(frame)
         link = self._links.get(addr) or self._link(addr)
         if link.waiters or not link.try_write(bufs, total):
             return False

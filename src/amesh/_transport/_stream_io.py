@@ -194,6 +194,7 @@ class AioConn(asyncio.Protocol):
 
     def __init__(self, link: AioLink, hello: bytes) -> None:
         self._link = link
+        self._loop = link._loop
         self._hello = hello
         self.transport: asyncio.Transport | None = None
         self._fd = -1
@@ -241,20 +242,24 @@ class AioConn(asyncio.Protocol):
         """Write one frame; False (nothing of it written) if the connection broke."""
         batch = self._batch
         if batch is not None:
-            if total <= BATCH_FRAME and all(type(b) is bytes for b in bufs):
-                batch += bufs
-                self._batch_bytes += total
-                return self._batch_bytes < BATCH_BYTES or self.flush()
+            if total <= BATCH_FRAME:
+                for b in bufs:
+                    if type(b) is not bytes:  # a view: it may change after we return
+                        break
+                else:
+                    batch += bufs
+                    self._batch_bytes += total
+                    return self._batch_bytes < BATCH_BYTES or self.flush()
             if batch and not self.flush():  # what waits goes first
                 return False
         elif self._link.batching:
             self._batch = []
             self._batch_bytes = 0
-            self._link.end_of_turn(self._end_turn)
+            self._loop.call_soon(self._end_turn)  # once the loop ran what is ready now
         return self._writev(bufs, total)
 
     def _end_turn(self) -> None:
-        if not self.flush():
+        if self._batch and not self.flush():  # (most turns write one frame: none waits)
             self._link.fail("the connection broke")
         self._batch = None
 
@@ -360,10 +365,6 @@ class AioLink(Waiters):
         self.pending: deque[list[Buf]] = deque()
         self.pending_bytes = 0
 
-    def end_of_turn(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once the loop has run what is ready now."""
-        self._loop.call_soon(callback)
-
     def _live(self) -> AioConn | None:
         conn = self.conn
         if conn is not None and conn.transport is not None and conn.transport.is_closing():
@@ -379,7 +380,10 @@ class AioLink(Waiters):
 
     def try_write(self, bufs: list[Buf], total: int) -> bool:
         """:meth:`write` if :meth:`writable`, in one step; False: full, nothing done."""
-        conn = self._live()
+        conn = self.conn  # (_live, inline)
+        if conn is not None and conn.transport is not None and conn.transport.is_closing():
+            self.fail("the connection broke")
+            conn = None
         if conn is None:
             if self.pending_bytes >= HIGH_WATER:
                 return False
