@@ -102,3 +102,71 @@ async def test_through_an_actor_sync_answers_and_async_cancels() -> None:
             assert waited.cancelled_caught
             # the cancelled handler is gone, and the actor serves the next call
             assert await one.quick.call_one(4) == 8
+
+
+def test_can_wait_reads_a_coroutine_functions_code() -> None:
+    from amesh._runtime._mailbox import can_wait
+
+    async def returns(x: int) -> int:
+        return x
+
+    async def awaits() -> None:
+        await anyio.lowlevel.checkpoint()
+
+    async def enters(lock: anyio.Lock) -> None:
+        async with lock:
+            pass
+
+    async def iterates(items: object) -> None:
+        async for _ in items:  # type: ignore[attr-defined]
+            pass
+
+    assert not can_wait(returns)
+    assert can_wait(awaits)
+    assert can_wait(enters)
+    assert can_wait(iterates)
+    assert can_wait(len)  # no code to read: assume it may
+
+
+class Plain(Actor):
+    """Endpoints of every kind, none of which calls breakpoint(): each is called
+    without a greenlet (see amesh._runtime._pausable)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    @endpoint
+    async def bump(self, x: int) -> int:  # async, but never waits: one step
+        self.n += x
+        return self.n
+
+    @endpoint
+    async def refuse(self) -> None:  # the same, raising
+        raise KeyError("refused in the first step")
+
+    @endpoint
+    async def slow(self) -> str:  # waits: in a cancel scope
+        await anyio.sleep_forever()
+        return "never"
+
+    @endpoint
+    def pending(self) -> object:  # a plain function that returns an awaitable
+        return anyio.lowlevel.checkpoint()
+
+
+async def test_endpoints_without_a_greenlet_answer_raise_and_cancel() -> None:
+    from amesh import ActorError
+
+    with anyio.fail_after(50):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            one = (await procs.spawn("plain", Plain)).slice(procs=0)
+            assert await one.bump.call_one(2) == 2
+            assert await one.bump.call_one(3) == 5
+            with pytest.raises(ActorError, match="refused in the first step") as info:
+                await one.refuse.call_one()
+            assert "raise KeyError" in info.value.traceback  # the handler's own frame
+            assert await one.pending.call_one() is None  # awaited, like a coroutine
+            with anyio.move_on_after(0.5) as waited:
+                await one.slow.call_one()
+            assert waited.cancelled_caught
+            assert await one.bump.call_one(1) == 6  # the actor serves on

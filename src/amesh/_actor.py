@@ -11,7 +11,7 @@ import anyio
 
 from ._config import settings
 from ._runtime._context import call_context
-from ._runtime._mailbox import Handler
+from ._runtime._mailbox import Handler, can_wait
 from ._runtime._pausable import may_pause
 from ._shape import Point
 
@@ -189,7 +189,8 @@ def handlers_of(cls: type) -> dict[str, Handler]:
             ep.concurrent,
             ep.thread,
             pausable=anywhere or may_pause(ep.fn),
-            awaits=inspect.iscoroutinefunction(ep.fn),
+            coroutine=inspect.iscoroutinefunction(ep.fn),
+            waits=can_wait(ep.fn),
         )
         for name, ep in eps.items()
     }

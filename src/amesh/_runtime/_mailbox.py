@@ -9,6 +9,7 @@ they live exactly as long as the actor.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import logging
 import os
@@ -40,7 +41,15 @@ if TYPE_CHECKING:
     from ._runtime import Runtime
 
 
-__all__ = ["ActorInstance", "Handler", "Owned", "error_of", "format_traceback", "type_name_of"]
+__all__ = [
+    "ActorInstance",
+    "Handler",
+    "Owned",
+    "can_wait",
+    "error_of",
+    "format_traceback",
+    "type_name_of",
+]
 
 log = logging.getLogger("amesh.actor")
 
@@ -55,14 +64,31 @@ STOP_TIMEOUT = 10.0
 class Handler:
     """How to run one endpoint: the function, whether calls may interleave, whether
     it runs in a worker thread (sync endpoints only), whether it runs in a greenlet of
-    its own so that a debugger can pause it alone (see :mod:`._pausable`), and
-    whether ``fn`` is a coroutine function."""
+    its own so that a debugger can pause it alone (see :mod:`._pausable`), whether
+    ``fn`` is a coroutine function, and if so whether its code can wait at all
+    (:func:`can_wait`: one that cannot runs to its end in one step, without a cancel
+    scope)."""
 
     fn: Callable[..., Any]
     concurrent: bool
     thread: bool = False
     pausable: bool = True
-    awaits: bool = False
+    coroutine: bool = False
+    waits: bool = True
+
+
+#: What a coroutine's code waits with (``await``, ``async with``, ``async for``): the
+#: instruction that hands a value to the event loop.
+_WAIT_OPS = frozenset({"YIELD_VALUE"})
+
+
+def can_wait(fn: Callable[..., Any]) -> bool:
+    """Whether the coroutine function ``fn`` may wait (give the event loop a turn): its
+    own code awaits something. True when there is no code to read."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return True
+    return any(ins.opname in _WAIT_OPS for ins in dis.get_instructions(code))
 
 
 #: A result made of at most this many small objects is pickled on the event loop;
@@ -455,7 +481,18 @@ class ActorInstance:
             else:
                 try:
                     result = handler.fn(self.obj, *args, **kwargs)
-                    if handler.awaits or (
+                    if handler.coroutine and not handler.waits:
+                        # no await in its code: it ends in its first step, no cancel
+                        # can reach it, so it needs no scope (see LazyScope)
+                        steps, result = result, None
+                        try:
+                            steps.send(None)
+                        except StopIteration as stop:
+                            result = stop.value
+                        else:
+                            steps.close()
+                            raise RuntimeError(f"{handler.fn!r} waited, with no await")
+                    elif handler.coroutine or (
                         type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result)
                     ):
                         steps, result = result, None
