@@ -627,7 +627,7 @@ def breakpointhook(*args: Any, **kwargs: Any) -> Any:
         ctx is not None
         and ctx.instance is not None
         and paused_outside()
-        and ctx.instance.pause_in_greenlet(ctx.scope)
+        and ctx.instance.pause_in_greenlet(ctx.method)
     ):
         # This pause holds the event loop (the handler has no greenlet of its own):
         # say so; the endpoint has one from its next call on.

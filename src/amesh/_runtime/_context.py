@@ -41,11 +41,15 @@ class CallContext:
         call_id: the caller's call id.
         chain: serial handlers that wait on this one (see ``_wire.Call.chain``),
             including this one when it is serial; outgoing calls carry it on.
-        scope: the handler's cancel scope (None outside a handler): its
-            ``cancel_called`` says the caller gave up (see :func:`amesh.cancelled`).
+        scope: the handler's cancel scope (None outside a handler, and in a handler that
+            cannot wait, which no cancel can reach): its ``cancel_called`` says the
+            caller gave up (see :func:`amesh.cancelled`).
+        method: the endpoint the message is for ("" outside a handler).
     """
 
-    __slots__ = ("_point", "_where", "actor", "call_id", "chain", "instance", "scope", "sender")
+    __slots__ = (
+        "_point", "_where", "actor", "call_id", "chain", "instance", "method", "scope", "sender",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -55,6 +59,7 @@ class CallContext:
         call_id: int,
         instance: ActorInstance | None = None,
         chain: list[str] | None = None,
+        method: str = "",
     ) -> None:
         self.actor = actor
         self.instance = instance
@@ -63,6 +68,7 @@ class CallContext:
         self.sender = sender
         self.call_id = call_id
         self.chain = chain or []
+        self.method = method
         self.scope: Any = None
 
     @property

@@ -301,14 +301,18 @@ class ActorInstance:
             self._wakeup = None
             wakeup.set()
 
-    def pause_in_greenlet(self, scope: Any) -> bool:
-        """The handler running in ``scope`` pauses in a debugger: True if it runs on the
-        event loop without a greenlet of its own (its ``breakpoint()`` is in code it
-        calls), so that the pause holds the loop. Its endpoint then runs in one from
-        its next call on, and a pause there holds that handler only."""
-        method = self._running.get(scope) if scope is not None else None
-        if method is None:
-            return False
+    def _scope_now(self, ctx: CallContext, key: tuple[str, int], method: str) -> LazyScope:
+        """A scope for a handler about to wait after all (see :meth:`_handle`)."""
+        scope = ctx.scope = LazyScope()
+        self.runtime.running[key] = scope
+        self._running[scope] = method
+        return scope
+
+    def pause_in_greenlet(self, method: str) -> bool:
+        """The handler of ``method`` running now pauses in a debugger: True if it runs
+        on the event loop without a greenlet of its own (its ``breakpoint()`` is in
+        code it calls), so that the pause holds the loop. The endpoint then runs in
+        one from its next call on, and a pause there holds that handler only."""
         handler = self.handlers.get(method)
         if handler is None or handler.pausable or handler.thread:
             return False
@@ -440,17 +444,22 @@ class ActorInstance:
             rt.cancelled.discard(key)
             return
         is_call = isinstance(env, _wire.Call)
+        method = env.method
         chain = list(env.chain) if isinstance(env, _wire.Call) else []
         if handler is not None and not handler.concurrent:
-            entry = self._entries.get(env.method)
-            chain.append(entry if entry is not None else self.chain_entry(env.method))
+            entry = self._entries.get(method)
+            chain.append(entry if entry is not None else self.chain_entry(method))
         where = (env.labels, env.sizes, env.rank)
-        ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain)
+        ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain, method)
         token = call_context.set(ctx)
-        # made only if the handler waits: until then no cancel can arrive
-        scope = ctx.scope = LazyScope()
-        rt.running[key] = scope
-        self._running[scope] = env.method
+        # A handler that cannot wait runs to its end without the loop taking a turn:
+        # no cancel can reach it, so it needs no scope, nor to be found by one. The
+        # others' scope is made (by LazyScope) only once they wait.
+        scope: LazyScope | None = None
+        if handler is None or handler.waits or handler.pausable or handler.thread:
+            scope = ctx.scope = LazyScope()
+            rt.running[key] = scope
+            self._running[scope] = method
         dest, reply_id, shm = "", 0, False
         if isinstance(env, _wire.Call):
             dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
@@ -473,6 +482,7 @@ class ActorInstance:
                 # waits for it to return (the actor stays serial), and
                 # amesh.cancelled() tells the handler it may stop early.
                 run = partial(_run_in_thread, handler.fn, self.obj, args, kwargs, is_call, shm)
+                assert scope is not None
                 with scope.open():
                     result, payload = await anyio.to_thread.run_sync(run)
             elif handler.pausable:
@@ -496,6 +506,8 @@ class ActorInstance:
                         type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result)
                     ):
                         steps, result = result, None
+                        if scope is None:  # a plain function that returned an awaitable
+                            scope = self._scope_now(ctx, key, method)
                         with scope.open():
                             result = await steps
                 finally:
@@ -505,17 +517,20 @@ class ActorInstance:
                 # (a few builtins pickle at once; only a bigger result may take long)
                 payload = _codec.dumps_plain(result)
                 if payload is None and not cheap_to_pickle(result):
+                    if scope is None:
+                        scope = self._scope_now(ctx, key, method)
                     with scope.open():
                         dump = partial(_codec.dumps, result, shm=shm)
                         payload = await anyio.to_thread.run_sync(dump)
         except Exception as exc:  # any pickling error is the call's, not the process's
             failure = exc
         finally:
-            rt.running.pop(key, None)
-            self._running.pop(scope, None)
+            if scope is not None:
+                rt.running.pop(key, None)
+                self._running.pop(scope, None)
             call_context.reset(token)
             self.handled += 1
-        if scope.cancel_called:
+        if scope is not None and scope.cancel_called:
             # The caller gave up (or the actor failed); it waits for nothing more.
             if payload is not None:
                 _codec.release_payload(payload)
