@@ -457,7 +457,11 @@ def plain_payload(data: bytes) -> Payload:
 
 def dumps_plain(obj: Any) -> Payload | None:
     """:func:`dumps` of ``obj`` if it is plain (see :func:`_plain`), else None."""
-    if not _plain(obj):
+    t = type(obj)
+    if t is bytes or t is str:  # (the commonest results first, without _plain)
+        if len(obj) > _PLAIN_BYTES:
+            return None
+    elif t not in _PLAIN_SCALARS and not _plain(obj):
         return None
     payload = Payload.__new__(Payload)
     payload.data = pickle.dumps(obj, 5)

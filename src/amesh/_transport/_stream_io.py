@@ -107,7 +107,11 @@ class AioInbound(asyncio.BufferedProtocol):
         gate = self._gate
         if gate is not None:
             return gate.get_buffer()
-        return self._reader.get_buffer()
+        reader = self._reader  # (Reader.get_buffer, inline: it runs for every read)
+        big = reader._big
+        if big is not None:
+            return big[reader._filled :]
+        return reader._view[reader._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._gate is not None:
