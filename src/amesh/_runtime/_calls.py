@@ -230,11 +230,16 @@ class Calls:
             self.inflight[k] = n
         else:
             self.inflight.pop(k, None)
+        # (Pending.push, inline: this rank has not answered yet)
+        del pending.targets[env.rank]
         if type(env) is _wire.Reply:
             data = env.payload
             # (_wire.unpack, inline)
             value = (data, buffers) if data or not buffers else (buffers[0], buffers[1:])
-            pending.push(env.rank, True, value)
+            pending.items.append((env.rank, True, value))
         else:
-            pending.push(env.rank, False, env)
+            pending.items.append((env.rank, False, env))
+        event = pending._event
+        if event is not None:
+            event.set()
         return True

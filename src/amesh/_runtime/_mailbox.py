@@ -26,6 +26,7 @@ from anyio.abc import TaskGroup
 
 from .. import _codec, _wire
 from .._config import debug
+from . import _capture
 from ._capture import before_reply
 from ._context import (
     CallContext,
@@ -327,15 +328,6 @@ class ActorInstance:
             self._wakeup = None
             wakeup.set()
 
-    async def _next(self) -> _Request | None:
-        queue = self._queue
-        while not queue:
-            if self._closed:
-                return None
-            wakeup = self._wakeup = self._new_event()
-            await wakeup.wait()
-        return queue.popleft()
-
     # -- the loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -357,11 +349,14 @@ class ActorInstance:
 
     async def _loop(self, tg: TaskGroup) -> None:
         rt = self.runtime
+        queue = self._queue
         while True:
-            item = await self._next()
-            if item is None:
-                return
-            env, buffers = item
+            while not queue:  # the next message (written out: it runs for every one)
+                if self._closed:
+                    return
+                wakeup = self._wakeup = self._new_event()
+                await wakeup.wait()
+            env, buffers = queue.popleft()
             key = (env.sender, env.call_id)
             if isinstance(env, _wire.Cast):
                 rt.taken(env.sender, self.key, _wire.payload_size(env))
@@ -547,7 +542,10 @@ class ActorInstance:
                 else:  # (pack's common case, inline)
                     data, lengths, parts = payload.data, [], []
                 reply = _wire.Reply(reply_id, env.rank, data, lengths)
-                before_reply()  # what the handler printed reaches the caller first
+                # what the handler printed reaches the caller first (before_reply, inline)
+                capture = _capture._active
+                if capture is not None and capture.pending:
+                    capture.flush_nowait()
                 try:
                     waiting = rt.links.send_soon(dest, reply, parts)
                     if waiting is not None:  # the link is full: wait for room
