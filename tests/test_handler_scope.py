@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import anyio
 import anyio.lowlevel
 import pytest
@@ -170,3 +172,65 @@ async def test_endpoints_without_a_greenlet_answer_raise_and_cancel() -> None:
                 await one.slow.call_one()
             assert waited.cancelled_caught
             assert await one.bump.call_one(1) == 6  # the actor serves on
+
+
+_seen: contextvars.ContextVar[int] = contextvars.ContextVar("seen", default=0)
+
+
+class Immediate(Actor):
+    """Endpoints that cannot wait: an idle actor runs them as their message arrives,
+    a busy one from its loop; either way they behave alike."""
+
+    @endpoint
+    def remember(self, x: int) -> int:
+        previous = _seen.get()
+        _seen.set(x)
+        return previous
+
+    @endpoint
+    def big(self, n: int) -> dict[int, list[int]]:  # too big to pickle on the loop
+        return {i: [i] for i in range(n)}
+
+    @endpoint
+    async def gate(self, event_name: str) -> None:  # waits: the loop runs it
+        await anyio.lowlevel.checkpoint()
+
+
+async def test_handlers_run_on_arrival_or_from_the_loop_alike() -> None:
+    with anyio.fail_after(50):
+        async with ProcMesh(per_host={"procs": 1}) as procs:
+            one = (await procs.spawn("now", Immediate)).slice(procs=0)
+            # one at a time (the actor idle at each): a ContextVar set by one handler is
+            # what the next one finds
+            assert await one.remember.call_one(1) == 0
+            assert await one.remember.call_one(2) == 1
+            # many at once (most of them queued): the same, in arrival order
+            seen: list[int] = []
+            async with anyio.create_task_group() as tg:
+                for x in range(3, 13):
+                    tg.start_soon(lambda x=x: _append(seen, one.remember.call_one(x)))
+                    await anyio.lowlevel.checkpoint()
+            assert sorted(seen) == list(range(2, 12))
+            assert await one.remember.call_one(0) == 12
+            # a result pickled in a worker thread, then the next call: both answered
+            big, after = await _both(one.big.call_one(2000), one.remember.call_one(7))
+            assert big == {i: [i] for i in range(2000)}
+            assert after == 0  # it ran after big, as it came after it
+            assert await one.remember.call_one(8) == 7
+
+
+async def _append(out: list[int], call: object) -> None:
+    out.append(await call)  # type: ignore[misc]
+
+
+async def _both(first: object, second: object) -> tuple[object, object]:
+    results: list[object] = [None, None]
+
+    async def run(i: int, call: object) -> None:
+        results[i] = await call  # type: ignore[misc]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, 0, first)
+        await anyio.lowlevel.checkpoint()
+        tg.start_soon(run, 1, second)
+    return results[0], results[1]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextvars
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import sniffio
 
@@ -16,9 +17,13 @@ if TYPE_CHECKING:
     from ._mailbox import ActorInstance
     from ._runtime import Runtime
 
+T = TypeVar("T")
+
 __all__ = [
     "CallContext",
     "call_context",
+    "in_context",
+    "run_in_context",
     "is_local",
     "is_local_cached",
     "local_addresses",
@@ -157,3 +162,51 @@ def native_wakeup_class() -> Callable[[], Any]:
 
         return trio.Event
     return partial(_Wakeup, asyncio.get_running_loop())
+
+
+class _InContext:
+    """Awaiting it runs coroutine ``coro``, every step of it inside ``ctx``."""
+
+    __slots__ = ("_coro", "_ctx")
+
+    def __init__(self, ctx: contextvars.Context, coro: Coroutine[Any, Any, T]) -> None:
+        self._ctx = ctx
+        self._coro = coro
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        run, coro = self._ctx.run, self._coro
+        try:
+            yielded = run(coro.send, None)
+        except StopIteration as stop:
+            return stop.value
+        while True:
+            try:
+                value = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # a cancel, thrown into the coroutine
+                try:
+                    yielded = run(coro.throw, exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    yielded = run(coro.send, value)
+                except StopIteration as stop:
+                    return stop.value
+
+
+def run_in_context(awaiting: Any) -> Any:
+    """The coroutine that ``awaiting`` (an awaitable in a task's chain) runs in a
+    context (see :func:`in_context`), if it is one: what a stack shows below it."""
+    frame = getattr(awaiting, "gi_frame", None)
+    if frame is None or frame.f_code is not _InContext.__await__.__code__:
+        return None
+    return frame.f_locals["coro"]
+
+
+def in_context(ctx: contextvars.Context, coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
+    """Await ``coro`` with every step of it run in ``ctx`` (a context that code outside
+    the task can enter too, between its steps), on asyncio or trio."""
+    return cast("Awaitable[T]", _InContext(ctx, coro))

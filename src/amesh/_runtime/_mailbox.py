@@ -9,6 +9,7 @@ they live exactly as long as the actor.
 
 from __future__ import annotations
 
+import contextvars
 import dis
 import inspect
 import logging
@@ -17,7 +18,7 @@ import sys
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,6 +32,7 @@ from ._capture import before_reply
 from ._context import (
     CallContext,
     call_context,
+    in_context,
     is_local_cached,
     local_addresses,
     native_wakeup_class,
@@ -56,6 +58,9 @@ log = logging.getLogger("amesh.actor")
 
 #: A queued request: the envelope and views of its out-of-band buffers.
 _Request = tuple[_wire.Call | _wire.Cast, list[memoryview]]
+#: what the mailbox holds: requests, and (None, an awaitable) for what a handler run by
+#: ActorInstance.put left to the loop
+_Item = tuple[_wire.Call | _wire.Cast | None, Any]
 
 #: Bounded wait for an actor's ``__cleanup__`` and its owned meshes at stop.
 STOP_TIMEOUT = 10.0
@@ -76,6 +81,13 @@ class Handler:
     pausable: bool = True
     coroutine: bool = False
     waits: bool = True
+    #: it runs to its end in one step, on the loop's own stack: an idle actor may run
+    #: it the moment its message arrives (see :meth:`ActorInstance.put`)
+    now: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        now = not (self.waits or self.pausable or self.thread or self.concurrent)
+        object.__setattr__(self, "now", now)
 
 
 #: What a coroutine's code waits with (``await``, ``async with``, ``async for``): the
@@ -211,6 +223,10 @@ def _run_in_thread(
     return result, (_codec.dumps(result, shm=shm) if reply else None)
 
 
+#: What :meth:`ActorInstance._handle_now` leaves to the loop for a result that may take
+#: long to pickle (see :func:`cheap_to_pickle`)
+_PICKLE = object()
+
 #: Results that are never awaitable: no need to ask (``inspect.isawaitable`` is an
 #: ABC check).
 _NOT_AWAITABLE = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
@@ -246,11 +262,13 @@ class ActorInstance:
         self.handlers = handlers
         self.owner = owner
         self.rank = rank
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[_Item] = deque()
         #: method -> this actor's entry in a call chain (see chain_entry)
         self._entries: dict[str, str] = {}
         self._closed = False
         self._wakeup: Any = None
+        #: the context handlers run in (see run)
+        self._ctx = contextvars.Context()
         #: one-shot wake-ups (one waiter each: the dispatch loop)
         self._new_event = native_wakeup_class()
         #: without concurrent endpoints, handlers run in the loop's own task
@@ -296,6 +314,14 @@ class ActorInstance:
         """
         if self._closed:
             raise anyio.ClosedResourceError(f"actor {self.label()} is stopping")
+        if self._wakeup is not None and self._inline and type(env) is _wire.Call:
+            # The loop waits for a message (none is queued or running): a call to an
+            # endpoint that cannot wait runs right here, as the loop would run it,
+            # without the loop's turn in between.
+            handler = self.handlers.get(env.method)
+            if handler is not None and handler.now:
+                self._ctx.run(self._handle_now, env, buffers, handler)
+                return
         self._queue.append((env, buffers))
         wakeup = self._wakeup
         if wakeup is not None:
@@ -336,10 +362,13 @@ class ActorInstance:
         # workers); its handlers must see their own runtime.
         runtime_var.set(self.runtime)
         call_context.set(None)
+        # Handlers run in this context, whether the loop runs them or put() does: what
+        # one sets in a ContextVar, the next one sees, either way.
+        self._ctx = contextvars.copy_context()
         try:
             async with anyio.create_task_group() as tg:
                 self.tg = tg
-                await self._loop(tg)
+                await in_context(self._ctx, self._loop(tg))
                 self._drained.set()
                 await self._stopping.wait()
                 tg.cancel_scope.cancel()
@@ -357,6 +386,9 @@ class ActorInstance:
                 wakeup = self._wakeup = self._new_event()
                 await wakeup.wait()
             env, buffers = queue.popleft()
+            if env is None:  # what a handler run by put() left to wait for
+                await buffers
+                continue
             key = (env.sender, env.call_id)
             if isinstance(env, _wire.Cast):
                 rt.taken(env.sender, self.key, _wire.payload_size(env))
@@ -530,40 +562,170 @@ class ActorInstance:
             if payload is not None:
                 _codec.release_payload(payload)
             return
-        if failure is None and is_call:
+        if is_call:
+            waiting = self._reply_now(env.rank, dest, reply_id, shm, result, payload, failure)
+            if waiting is not None:  # the link is full: wait for room
+                await waiting
+            return
+        if failure is None:
+            return
+        name, message, tb = error_of(failure)
+        log.error("endpoint %s raised under broadcast:\n%s", self.label(env.method), tb)
+        self.fail(f"endpoint {self.label(env.method)} raised under broadcast: {name}: {message}")
+
+    def _reply_now(
+        self,
+        rank: int,
+        dest: str,
+        reply_id: int,
+        shm: bool,
+        result: Any,
+        payload: _codec.Payload | None,
+        failure: BaseException | None,
+    ) -> Awaitable[None] | None:
+        """Send the reply to a call: its ``result`` (pickled now, unless ``payload`` has
+        it) or its ``failure``. Returns what to await while the link is full, if it is.
+        """
+        rt = self.runtime
+        if failure is None:
             try:
                 if payload is None:
                     payload = _codec.dumps(result, shm=shm)
-            except Exception as exc:
+            except Exception as exc:  # any pickling error is the call's
                 failure = exc
             else:
                 if payload.buffers or len(payload.data) >= _wire.INLINE_LIMIT:
                     data, lengths, parts = _wire.pack(payload.data, payload.buffers)
                 else:  # (pack's common case, inline)
                     data, lengths, parts = payload.data, [], []
-                reply = _wire.Reply(reply_id, env.rank, data, lengths)
+                reply = _wire.Reply(reply_id, rank, data, lengths)
                 # what the handler printed reaches the caller first (before_reply, inline)
                 capture = _capture._active
                 if capture is not None and capture.pending:
                     capture.flush_nowait()
                 try:
-                    waiting = rt.links.send_soon(dest, reply, parts)
-                    if waiting is not None:  # the link is full: wait for room
-                        await waiting
-                    return
+                    return rt.links.send_soon(dest, reply, parts)
                 except ValueError as exc:  # larger than the transport takes: say so
                     failure = exc
-        if failure is None:
-            return
         name, message, tb = error_of(failure)
-        if is_call:
-            before_reply()
-            await rt.send_frame(dest, _wire.Error(reply_id, env.rank, name, message, tb))
-        else:
-            log.error("endpoint %s raised under broadcast:\n%s", self.label(env.method), tb)
-            self.fail(
-                f"endpoint {self.label(env.method)} raised under broadcast: {name}: {message}"
-            )
+        before_reply()
+        return rt.links.send_soon(dest, _wire.Error(reply_id, rank, name, message, tb))
+
+    def _handle_now(self, env: _wire.Call, buffers: list[Any], handler: Handler) -> None:
+        """Handle a call from :meth:`put`, to an endpoint that cannot wait (in the
+        loop's context, see :meth:`run`), as :meth:`_handle` would. What cannot be done
+        at once (an awaitable that a plain function returned, a result to pickle in a
+        worker thread, a reply waiting for room) goes to the loop, ahead of any later
+        message, so the actor stays serial."""
+        rt = self.runtime
+        key = (env.sender, env.call_id)
+        rt.queued.discard(key)
+        if key in rt.cancelled:  # (it cannot be: it was queued for no time at all)
+            rt.cancelled.discard(key)
+            return
+        method = env.method
+        chain = list(env.chain)
+        entry = self._entries.get(method)
+        chain.append(entry if entry is not None else self.chain_entry(method))
+        where = (env.labels, env.sizes, env.rank)
+        ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain, method)
+        token = call_context.set(ctx)
+        dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
+        local = local_addresses.get(dest)
+        shm = local if local is not None else is_local_cached(dest)
+        result: Any = None
+        payload: _codec.Payload | None = None
+        failure: BaseException | None = None
+        later: Any = None
+        try:
+            data = env.payload  # (_wire.unpack, inline)
+            if data or not buffers:
+                args, kwargs = _codec.loads(data, buffers)
+            else:
+                args, kwargs = _codec.loads(buffers[0], buffers[1:])
+            try:
+                result = handler.fn(self.obj, *args, **kwargs)
+                if handler.coroutine:  # with no await: it ends in its first step
+                    steps, result = result, None
+                    try:
+                        steps.send(None)
+                    except StopIteration as stop:
+                        result = stop.value
+                    else:
+                        steps.close()
+                        raise RuntimeError(f"{handler.fn!r} waited, with no await")
+                elif type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result):
+                    later, result = result, None  # a plain function's awaitable
+            finally:
+                if handler_local.ends:  # it paused, holding the loop (see _pausable)
+                    end_direct()
+            if later is None:
+                payload = _codec.dumps_plain(result)
+                if payload is None and not cheap_to_pickle(result):
+                    later = _PICKLE  # pickled in a worker thread, by the loop
+        except Exception as exc:  # the call's, not the process's
+            failure = exc
+        finally:
+            call_context.reset(token)
+        if later is not None:
+            self._later(self._finish(env, ctx, key, dest, reply_id, shm, later, result))
+            return
+        self.handled += 1
+        waiting = self._reply_now(env.rank, dest, reply_id, shm, result, payload, failure)
+        if waiting is not None:  # the link is full: the loop waits for room
+            self._later(waiting)
+
+    def _later(self, awaitable: Awaitable[Any]) -> None:
+        """Have the (idle) loop await ``awaitable`` before any later message."""
+        self._queue.append((None, awaitable))
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            wakeup.set()
+
+    async def _finish(
+        self,
+        env: _wire.Call,
+        ctx: CallContext,
+        key: tuple[str, int],
+        dest: str,
+        reply_id: int,
+        shm: bool,
+        later: Any,
+        result: Any,
+    ) -> None:
+        """The rest of a call that :meth:`_handle_now` began: await the awaitable that
+        its handler returned, or pickle its result in a worker thread (``_PICKLE``),
+        inside a cancel scope now, then reply."""
+        rt = self.runtime
+        token = call_context.set(ctx)
+        scope = self._scope_now(ctx, key, env.method)
+        payload: _codec.Payload | None = None
+        failure: BaseException | None = None
+        try:
+            with scope.open():
+                if later is not _PICKLE:
+                    result = await later
+                    payload = _codec.dumps_plain(result)
+                    if payload is None and cheap_to_pickle(result):
+                        payload = _codec.dumps(result, shm=shm)
+                if payload is None:
+                    dump = partial(_codec.dumps, result, shm=shm)
+                    payload = await anyio.to_thread.run_sync(dump)
+        except Exception as exc:  # the call's, not the process's
+            failure = exc
+        finally:
+            rt.running.pop(key, None)
+            self._running.pop(scope, None)
+            call_context.reset(token)
+            self.handled += 1
+        if scope.cancel_called:  # the caller gave up: it waits for nothing more
+            if payload is not None:
+                _codec.release_payload(payload)
+            return
+        waiting = self._reply_now(env.rank, dest, reply_id, shm, result, payload, failure)
+        if waiting is not None:
+            await waiting
 
     # -- supervision ----------------------------------------------------------------------
 

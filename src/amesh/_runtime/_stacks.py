@@ -12,6 +12,7 @@ from typing import Any
 
 import sniffio
 
+from ._context import run_in_context
 from ._pausable import awaited_handler
 
 __all__ = ["format_stacks"]
@@ -54,8 +55,11 @@ def _await_frames(coro: Any) -> Iterator[tuple[FrameType, int]]:
             return
         yield frame, frame.f_lineno
         below = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-        # a handler's coroutine runs in a greenlet of its own, its waits passed on
-        coro = below if below is not None else awaited_handler(coro)
+        if below is None:
+            # a handler's coroutine runs in a greenlet of its own, its waits passed
+            # on; an actor's loop runs in a context of its own, its steps passed on
+            below = awaited_handler(coro) or run_in_context(coro)
+        coro = below
 
 
 def _trio_tasks(out: io.StringIO) -> None:
