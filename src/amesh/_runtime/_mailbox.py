@@ -405,8 +405,12 @@ class ActorInstance:
                 continue
             handler = self.handlers.get(env.method)
             if self._inline:
-                # every endpoint is serial: no task per message
-                await self._handle(env, buffers, handler)
+                # every endpoint is serial: no task per message (and no coroutine for
+                # a call to one that cannot wait)
+                if handler is not None and handler.now and type(env) is _wire.Call:
+                    self._handle_now(env, buffers, handler)
+                else:
+                    await self._handle(env, buffers, handler)
                 continue
             if handler is not None and handler.concurrent:
                 tg.start_soon(self._handle, env, buffers, handler)
@@ -612,8 +616,8 @@ class ActorInstance:
         return rt.links.send_soon(dest, _wire.Error(reply_id, rank, name, message, tb))
 
     def _handle_now(self, env: _wire.Call, buffers: list[Any], handler: Handler) -> None:
-        """Handle a call from :meth:`put`, to an endpoint that cannot wait (in the
-        loop's context, see :meth:`run`), as :meth:`_handle` would. What cannot be done
+        """Handle a call to an endpoint that cannot wait, from :meth:`put` or the loop
+        (in the loop's context, see :meth:`run`), as :meth:`_handle` would. What cannot be done
         at once (an awaitable that a plain function returned, a result to pickle in a
         worker thread, a reply waiting for room) goes to the loop, ahead of any later
         message, so the actor stays serial."""
@@ -676,8 +680,8 @@ class ActorInstance:
             self._later(waiting)
 
     def _later(self, awaitable: Awaitable[Any]) -> None:
-        """Have the (idle) loop await ``awaitable`` before any later message."""
-        self._queue.append((None, awaitable))
+        """Have the loop await ``awaitable`` before any later message."""
+        self._queue.appendleft((None, awaitable))
         wakeup = self._wakeup
         if wakeup is not None:
             self._wakeup = None
