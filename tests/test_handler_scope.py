@@ -191,10 +191,6 @@ class Immediate(Actor):
     def big(self, n: int) -> dict[int, list[int]]:  # too big to pickle on the loop
         return {i: [i] for i in range(n)}
 
-    @endpoint
-    async def gate(self, event_name: str) -> None:  # waits: the loop runs it
-        await anyio.lowlevel.checkpoint()
-
 
 async def test_handlers_run_on_arrival_or_from_the_loop_alike() -> None:
     with anyio.fail_after(50):

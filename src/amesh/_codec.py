@@ -413,37 +413,17 @@ _PLAIN_NODES = 64
 _PLAIN_BYTES = 4096
 
 
+def _plain_leaf(x: Any) -> bool:
+    t = type(x)
+    return t in _PLAIN_SCALARS or ((t is str or t is bytes) and len(x) <= _PLAIN_BYTES)
+
+
 def _plain(obj: Any) -> bool:
     """True if ``obj`` is a few builtin scalars, short strings and bytes, in tuples,
     lists, sets and dicts: then the C pickler alone makes the payload, microseconds
     sooner than cloudpickle's Python-level pickler (a 64-byte echo's arguments and
-    result).
-
-    (:func:`small_tree`, written out: it runs for every call's arguments and result.)
-    """
-    budget = _PLAIN_NODES
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        budget -= 1
-        if budget < 0:
-            return False
-        t = type(x)
-        if t is tuple or t is list or t is set or t is frozenset:
-            if len(x) > budget:
-                return False
-            todo.extend(x)
-        elif t is dict:
-            if 2 * len(x) > budget:
-                return False
-            todo.extend(x.keys())
-            todo.extend(x.values())
-        elif t is str or t is bytes:
-            if len(x) > _PLAIN_BYTES:
-                return False
-        elif t not in _PLAIN_SCALARS:
-            return False
-    return True
+    result)."""
+    return small_tree(obj, _PLAIN_NODES, _plain_leaf)
 
 
 def plain_payload(data: bytes) -> Payload:

@@ -198,22 +198,9 @@ class MeshEndpoint(Generic[P, R]):
         large buffers for receivers on this host may go through shared memory (never
         for casts, whose sender cannot tell when they were loaded)."""
         self._desc.bind_check(args, kwargs)
-        for arg in args:  # (no ValueMesh among the arguments, found without a call)
-            if isinstance(arg, ValueMesh):
-                break
-        else:
-            if kwargs:
-                for arg in kwargs.values():
-                    if isinstance(arg, ValueMesh):
-                        break
-                else:
-                    arg = None
-            else:
-                arg = None
-        if arg is not None:
-            keys = _scattered(args, kwargs)
-            if keys:
-                return self._encode_each(args, kwargs, keys, targets, shm)
+        keys = _scattered(args, kwargs)
+        if keys:
+            return self._encode_each(args, kwargs, keys, targets, shm)
         # a few builtins (most calls): pickled at once, never through shared memory
         plain = _codec.dumps_plain((args, kwargs))
         if plain is not None:

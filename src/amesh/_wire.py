@@ -569,19 +569,11 @@ def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
         env = _decoder.decode(view[_HEADER_LEN:end])
     except (msgspec.DecodeError, RecursionError) as exc:
         raise BadFrame(str(exc)) from None
-    if type(env) is Call and (
-        # (_check_call's common case, inline: addresses seen before, shape consistent)
-        env.sender in _good
-        and (not env.reply_to or env.reply_to in _good)
-        and len(env.labels) == len(env.sizes)
-    ):
-        pass
-    else:
-        check = _CHECKS.get(type(env))
-        if check is not None:
-            why = check(env)
-            if why:
-                raise BadFrame(why)
+    check = _CHECKS.get(type(env))
+    if check is not None:
+        why = check(env)
+        if why:
+            raise BadFrame(why)
     lengths: list[int] = getattr(env, "buffers", None) or []
     if not lengths:
         if end != len(view):

@@ -224,22 +224,9 @@ class Calls:
                 peer,
             )
             return True
-        k = (addr, pending.actor)  # (dec_inflight, inline)
-        n = self.inflight.get(k, 0) - 1
-        if n > 0:
-            self.inflight[k] = n
-        else:
-            self.inflight.pop(k, None)
-        # (Pending.push, inline: this rank has not answered yet)
-        del pending.targets[env.rank]
+        self.dec_inflight(addr, pending.actor)
         if type(env) is _wire.Reply:
-            data = env.payload
-            # (_wire.unpack, inline)
-            value = (data, buffers) if data or not buffers else (buffers[0], buffers[1:])
-            pending.items.append((env.rank, True, value))
+            pending.push(env.rank, True, _wire.unpack(env.payload, buffers))
         else:
-            pending.items.append((env.rank, False, env))
-        event = pending._event
-        if event is not None:
-            event.set()
+            pending.push(env.rank, False, env)
         return True

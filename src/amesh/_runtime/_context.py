@@ -22,11 +22,10 @@ T = TypeVar("T")
 __all__ = [
     "CallContext",
     "call_context",
+    "context_coroutine",
     "in_context",
-    "run_in_context",
     "is_local",
     "is_local_cached",
-    "local_addresses",
     "native_event_class",
     "runtime_var",
 ]
@@ -103,18 +102,18 @@ def is_local(addr: str) -> bool:
     return rest.startswith(_LOOPBACK)
 
 
-#: :func:`is_local` of the addresses asked about so far, for the hot path: a worker
-#: asks it of its caller on every call (``local.get(addr)``, None: not asked yet)
-local_addresses: dict[str, bool] = {}
+#: :func:`is_local` of the addresses asked about so far: a worker asks it of its caller
+#: on every call
+_local_addresses: dict[str, bool] = {}
 
 
 def is_local_cached(addr: str) -> bool:
     """:func:`is_local`, remembered (for a bounded number of addresses)."""
-    local = local_addresses.get(addr)
+    local = _local_addresses.get(addr)
     if local is None:
         local = is_local(addr)
-        if len(local_addresses) < 65536:
-            local_addresses[addr] = local
+        if len(_local_addresses) < 65536:
+            _local_addresses[addr] = local
     return local
 
 
@@ -197,7 +196,7 @@ class _InContext:
                     return stop.value
 
 
-def run_in_context(awaiting: Any) -> Any:
+def context_coroutine(awaiting: Any) -> Any:
     """The coroutine that ``awaiting`` (an awaitable in a task's chain) runs in a
     context (see :func:`in_context`), if it is one: what a stack shows below it."""
     frame = getattr(awaiting, "gi_frame", None)

@@ -59,19 +59,9 @@ class Dispatch:
             self._recent.popitem(last=False)
         return False
 
-    def accept(self, env: _wire.Call | _wire.Cast, buffers: list[Any], fresh: bool = False) -> None:
-        """Queue a request for a local actor, or answer why it cannot run; ``fresh``:
-        first drop it if it is a duplicate (:meth:`is_duplicate`, inline: nearly every
-        call comes through here)."""
+    def accept(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
+        """Queue a request for a local actor, or answer why it cannot run."""
         key = (env.sender, env.call_id)
-        if fresh:
-            recent = self._recent
-            if key in recent:
-                self.duplicates += 1
-                return
-            recent[key] = None
-            if len(recent) > _RECENT:
-                recent.popitem(last=False)
         inst = self.actors.get(env.actor)
         if inst is None:
             why = self._gone.get(env.actor)

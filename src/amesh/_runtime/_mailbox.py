@@ -34,11 +34,10 @@ from ._context import (
     call_context,
     in_context,
     is_local_cached,
-    local_addresses,
     native_wakeup_class,
     runtime_var,
 )
-from ._pausable import LazyScope, debugging_direct, end_direct, handler_local, run_handler_in
+from ._pausable import LazyScope, end_direct, handler_local, run_handler_in
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -93,6 +92,17 @@ class Handler:
 #: What a coroutine's code waits with (``await``, ``async with``, ``async for``): the
 #: instruction that hands a value to the event loop.
 _WAIT_OPS = frozenset({"YIELD_VALUE"})
+
+
+def _one_step(steps: Any, fn: Callable[..., Any]) -> Any:
+    """The result of coroutine ``steps`` of ``fn``, whose code cannot wait (see
+    :func:`can_wait`): it ends in its first step."""
+    try:
+        steps.send(None)
+    except StopIteration as stop:
+        return stop.value
+    steps.close()
+    raise RuntimeError(f"{fn!r} waited, with no await")
 
 
 def can_wait(fn: Callable[..., Any]) -> bool:
@@ -218,7 +228,7 @@ def _run_in_thread(
     try:
         result = fn(obj, *args, **kwargs)
     finally:
-        if debugging_direct():  # a debugger session ends with the handler
+        if handler_local.ends:  # a debugger session ends with the handler
             end_direct()
     return result, (_codec.dumps(result, shm=shm) if reply else None)
 
@@ -495,8 +505,7 @@ class ActorInstance:
         if isinstance(env, _wire.Call):
             dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
             # one receiver: large buffers may go through shared memory
-            local = local_addresses.get(dest)
-            shm = local if local is not None else is_local_cached(dest)
+            shm = is_local_cached(dest)
         result: Any = None
         payload: _codec.Payload | None = None
         failure: BaseException | None = None
@@ -523,16 +532,9 @@ class ActorInstance:
                 try:
                     result = handler.fn(self.obj, *args, **kwargs)
                     if handler.coroutine and not handler.waits:
-                        # no await in its code: it ends in its first step, no cancel
-                        # can reach it, so it needs no scope (see LazyScope)
-                        steps, result = result, None
-                        try:
-                            steps.send(None)
-                        except StopIteration as stop:
-                            result = stop.value
-                        else:
-                            steps.close()
-                            raise RuntimeError(f"{handler.fn!r} waited, with no await")
+                        # no await in its code: no cancel can reach it, so it needs
+                        # no scope (see LazyScope)
+                        result = _one_step(result, handler.fn)
                     elif handler.coroutine or (
                         type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result)
                     ):
@@ -635,8 +637,7 @@ class ActorInstance:
         ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain, method)
         token = call_context.set(ctx)
         dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
-        local = local_addresses.get(dest)
-        shm = local if local is not None else is_local_cached(dest)
+        shm = is_local_cached(dest)
         result: Any = None
         payload: _codec.Payload | None = None
         failure: BaseException | None = None
@@ -649,15 +650,8 @@ class ActorInstance:
                 args, kwargs = _codec.loads(buffers[0], buffers[1:])
             try:
                 result = handler.fn(self.obj, *args, **kwargs)
-                if handler.coroutine:  # with no await: it ends in its first step
-                    steps, result = result, None
-                    try:
-                        steps.send(None)
-                    except StopIteration as stop:
-                        result = stop.value
-                    else:
-                        steps.close()
-                        raise RuntimeError(f"{handler.fn!r} waited, with no await")
+                if handler.coroutine:  # with no await in its code
+                    result = _one_step(result, handler.fn)
                 elif type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result):
                     later, result = result, None  # a plain function's awaitable
             finally:

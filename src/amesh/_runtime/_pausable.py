@@ -42,7 +42,6 @@ __all__ = [
     "LazyScope",
     "awaited_handler",
     "debugged_here",
-    "debugging_direct",
     "end_direct",
     "handler_local",
     "may_pause",
@@ -161,10 +160,10 @@ class _Idle(threading.local):
         self.ends: list[Callable[[], None]] = []
 
 
-_idle = _Idle()
-#: this thread's idle greenlets and debugger sessions to end (``.ends``: see
-#: :func:`end_direct`), for a caller that checks without a function call
-handler_local = _idle
+#: this thread's idle greenlets, and the debugger sessions to end with the handler
+#: called directly now (``.ends``, see :func:`end_direct`; a caller on the hot path
+#: checks it without a function call)
+handler_local = _Idle()
 
 
 class _Pass:
@@ -232,7 +231,7 @@ async def run_handler_in(
     kwargs: dict[str, Any],
 ) -> Any:
     """:func:`run_handler`, the waits (if any) inside ``lazy``'s real scope."""
-    idle = _idle.handlers
+    idle = handler_local.handlers
     g = idle.pop() if idle else _Handler()
     here = getcurrent()
     g.parent = here
@@ -255,7 +254,7 @@ def _ended(g: _Handler, kind: int, value: Any) -> Any:
     """Put ``g`` back for reuse; return what its handler returned or raise what it
     raised."""
     g.gr_context = None
-    idle = _idle.handlers
+    idle = handler_local.handlers
     if len(idle) < _IDLE_MAX:
         idle.append(g)
     else:
@@ -308,7 +307,7 @@ def debugged_here(end: Callable[[], None]) -> None:
     if isinstance(g, _Handler):
         g.debugger = end
     else:
-        _idle.ends.append(end)
+        handler_local.ends.append(end)
 
 
 def paused_outside() -> bool:
@@ -317,17 +316,11 @@ def paused_outside() -> bool:
     return not isinstance(getcurrent(), _Handler)
 
 
-def debugging_direct() -> bool:
-    """Whether a debugger session began in the handler called directly on this
-    thread (then :func:`end_direct` is due when it returns)."""
-    return bool(_idle.ends)
-
-
 def end_direct() -> None:
     """End the debugger sessions begun in the handler that just returned (called
     directly, without a greenlet, on this thread), and the tracing they set."""
-    ends = _idle.ends[:]
-    _idle.ends.clear()
+    ends = handler_local.ends[:]
+    handler_local.ends.clear()
     try:
         for end in ends:
             end()

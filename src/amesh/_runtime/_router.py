@@ -136,8 +136,8 @@ class Router:
                 self._calls.sent += 1
             return
         req = _wire.Relay(
-            self.address, call_id, -1, pending.actor, method, labels, sizes, data, chain,
-            lengths, self.address, call_id, [],
+            me, call_id, -1, pending.actor, method, labels, sizes, data, chain,
+            lengths, me, call_id, [],
         )  # fmt: skip
         for addr, rank, nodes in self._heads(pending.targets, tree, pending):
             await self._links.send(addr, _wire.addressed(req, rank, nodes), parts)

@@ -370,7 +370,9 @@ class Runtime:
             if type(env) is _wire.Reply:
                 self._on_reply(env, buffers, env.call_id, peer)
             elif type(env) is _wire.Call:
-                self.dispatch.accept(env, buffers, True)
+                dispatch = self.dispatch
+                if not dispatch.is_duplicate(env.sender, env.call_id):
+                    dispatch.accept(env, buffers)
             else:
                 self._route(env, buffers, peer)
         except Exception as exc:  # a router bug must not take the process down

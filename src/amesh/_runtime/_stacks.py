@@ -12,7 +12,7 @@ from typing import Any
 
 import sniffio
 
-from ._context import run_in_context
+from ._context import context_coroutine
 from ._pausable import awaited_handler
 
 __all__ = ["format_stacks"]
@@ -58,7 +58,7 @@ def _await_frames(coro: Any) -> Iterator[tuple[FrameType, int]]:
         if below is None:
             # a handler's coroutine runs in a greenlet of its own, its waits passed
             # on; an actor's loop runs in a context of its own, its steps passed on
-            below = awaited_handler(coro) or run_in_context(coro)
+            below = awaited_handler(coro) or context_coroutine(coro)
         coro = below
 
 

@@ -107,11 +107,7 @@ class AioInbound(asyncio.BufferedProtocol):
         gate = self._gate
         if gate is not None:
             return gate.get_buffer()
-        reader = self._reader  # (Reader.get_buffer, inline: it runs for every read)
-        big = reader._big
-        if big is not None:
-            return big[reader._filled :]
-        return reader._view[reader._end :]
+        return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._gate is not None:
@@ -260,20 +256,6 @@ class AioConn(asyncio.Protocol):
             self._batch = []
             self._batch_bytes = 0
             self._loop.call_soon(self._end_turn)  # once the loop ran what is ready now
-            tr = self.transport
-            if tr is not None and not tr.get_write_buffer_size() and len(bufs) <= IOV_MAX:
-                # the turn's first frame, to the kernel at once (_writev's common case,
-                # inline: it runs for nearly every message)
-                try:
-                    n = os.writev(self._fd, bufs)
-                except (BlockingIOError, InterruptedError):
-                    n = 0
-                except OSError:
-                    tr.abort()
-                    return False
-                if n < total:
-                    tr.writelines(owned(tail(bufs, n), total - n))
-                return True
         return self._writev(bufs, total)
 
     def _end_turn(self) -> None:
