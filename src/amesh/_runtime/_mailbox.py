@@ -90,8 +90,9 @@ class Handler:
 
 
 #: What a coroutine's code waits with (``await``, ``async with``, ``async for``): the
-#: instruction that hands a value to the event loop.
-_WAIT_OPS = frozenset({"YIELD_VALUE"})
+#: instruction that hands a value to the event loop (its opcode: every instruction is
+#: two bytes, opcode first, so the even bytes of ``co_code`` are the opcodes).
+_WAIT_OPS = frozenset({dis.opmap["YIELD_VALUE"]})
 
 
 def _one_step(steps: Any, fn: Callable[..., Any]) -> Any:
@@ -111,7 +112,7 @@ def can_wait(fn: Callable[..., Any]) -> bool:
     code = getattr(fn, "__code__", None)
     if code is None:
         return True
-    return any(ins.opname in _WAIT_OPS for ins in dis.get_instructions(code))
+    return not _WAIT_OPS.isdisjoint(code.co_code[::2])
 
 
 #: A result made of at most this many small objects is pickled on the event loop;
