@@ -600,3 +600,26 @@ class Big(Actor):
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class ExitHooks(Actor):
+    """Leaves work for the end of its process: an atexit handler, and a non-daemon
+    thread that waits for the main thread to finish (as the interpreter's own exit
+    marks it finished) before it writes."""
+
+    @endpoint
+    def arm(self, folder: str) -> None:
+        import atexit
+
+        path = os.path.join(folder, f"exit-{os.getpid()}")
+
+        def note(what: str) -> None:
+            with open(path, "a") as f:
+                f.write(what + "\n")
+
+        def after_main() -> None:
+            threading.main_thread().join()
+            note("thread")
+
+        atexit.register(note, "atexit")
+        threading.Thread(target=after_main, daemon=False).start()

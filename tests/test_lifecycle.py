@@ -18,7 +18,7 @@ import amesh
 from amesh import ProcMesh, SupervisionError
 from amesh.testing._leaks import ipc_dir
 
-from .actors import BadInit, Counter
+from .actors import BadInit, Counter, ExitHooks
 
 pytestmark = pytest.mark.anyio
 
@@ -47,6 +47,20 @@ async def test_exit_runs_cleanup_and_stops_processes(tmp_path: Path) -> None:
             assert wait_pid_gone(pid, 0)
         written = {p.name: p.read_text() for p in tmp_path.iterdir()}
         assert written == {f"cleanup-{pid}": "6" for pid in pids}
+
+
+async def test_a_worker_ends_its_threads_then_its_atexit_handlers(tmp_path: Path) -> None:
+    # A worker leaves with os._exit (no interpreter teardown), after what the
+    # interpreter's exit would do first: join non-daemon threads, then run atexit.
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            hooks = await procs.spawn("hooks", ExitHooks)
+            pids = procs.pids
+            await hooks.arm.call(str(tmp_path))
+        for pid in pids:
+            assert wait_pid_gone(pid, 0)
+    written = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert written == {f"exit-{pid}": "thread\natexit\n" for pid in pids}
 
 
 async def test_init_failure_raises_with_remote_traceback_and_leaves_nothing() -> None:

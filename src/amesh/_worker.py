@@ -34,6 +34,7 @@ that holds the GIL for ``heartbeat_timeout`` silences it.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -42,7 +43,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
@@ -384,7 +385,41 @@ def main(boot: Bootstrap | None = None) -> None:
     if backend not in ("asyncio", "trio"):
         print(f"amesh worker: no event loop {backend!r}; running asyncio", file=sys.stderr)
         backend = "asyncio"
-    anyio.run(_serve, boot, backend=backend, backend_options=loop_options(backend))
+    code = 0
+    try:
+        anyio.run(_serve, boot, backend=backend, backend_options=loop_options(backend))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """End this process as a forked ``multiprocessing`` child does, plus its atexit
+    handlers: wait for its non-daemon threads, run the atexit handlers, flush stdout
+    and stderr, and ``os._exit(code)``, without tearing the interpreter down.
+
+    The teardown would free every object, and so write every page a zygote's child
+    still shares with the zygote: ~5,000 page copies a worker, 17 s for 1,024 workers
+    on 2 CPUs. A file the worker wrote without closing or flushing it loses what its
+    buffer held, as in a ``multiprocessing`` child.
+    """
+    try:
+        shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    except BaseException:
+        code = code or 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # closed or broken: nothing left to do with it
+                pass
+        os._exit(code)
 
 
 if __name__ == "__main__":
