@@ -24,9 +24,11 @@ from amesh._transport._stream_wire import (
     HLEN,
     MAX_SIZE,
     SMALL,
+    AnyReader,
     BadStream,
     Buf,
     Reader,
+    c_reader,
     cut_frames_py,
 )
 
@@ -80,7 +82,7 @@ def cuts(draw: st.DrawFn, frames: list[bytes]) -> list[int]:
     return sorted({total} | {min(max(a + b, 0), total) for a, b in near} | set(anywhere) | set(run))
 
 
-def feed(reader: Reader, stream: bytes, ends: list[int]) -> None:
+def feed(reader: AnyReader, stream: bytes, ends: list[int]) -> None:
     """Feed ``stream`` with reads that end at each of ``ends``, never writing past the
     buffer the reader offers (so a read may end earlier, and the rest come next)."""
     pos = 0
@@ -95,12 +97,19 @@ def feed(reader: Reader, stream: bytes, ends: list[int]) -> None:
 
 
 Cut = Callable[[bytearray, int, int, int], tuple[list[bytes], int, int]]
-#: Every test runs with the C extension's frame cutter and with the Python fallback.
-CUTTERS = pytest.mark.parametrize("cut", [_ext.cut_frames, cut_frames_py], ids=["c", "python"])
+#: Every test runs with the C extension's reader (None here), the Python reader with
+#: the extension's frame cutter, and the pure-Python fallback.
+CUTTERS = pytest.mark.parametrize(
+    "cut", [None, _ext.cut_frames, cut_frames_py], ids=["c-reader", "c-cut", "python"]
+)
 
 
-def new_reader(max_frame: int, emit: Callable[[Buf], None], cut: Cut) -> Reader:
+def new_reader(max_frame: int, emit: Callable[[Buf], None], cut: Cut | None) -> AnyReader:
     """The one place these tests make a reader (should its constructor change)."""
+    if cut is None:
+        reader = c_reader(max_frame, emit)
+        assert reader is not None
+        return reader
     return Reader(max_frame, emit, cut)
 
 
@@ -108,7 +117,7 @@ def new_reader(max_frame: int, emit: Callable[[Buf], None], cut: Cut) -> Reader:
 @EXAMPLES
 @given(st.lists(frame_size(), max_size=12), st.integers(0, 2**32), st.data())
 def test_frames_come_out_whole_and_in_order(
-    cut: Cut, sizes: list[int], seed: int, data: st.DataObject
+    cut: Cut | None, sizes: list[int], seed: int, data: st.DataObject
 ) -> None:
     frames = make_frames(sizes, seed)
     stream = encode(frames)
@@ -143,7 +152,7 @@ TIGHT = [CHUNK - SMALL - HLEN, CHUNK - SMALL, CHUNK - HLEN, CHUNK, SMALL]
     st.data(),
 )
 def test_frames_that_straddle_the_buffer_end(
-    cut: Cut, where: int, off: int, second: int, more: list[int], data: st.DataObject
+    cut: Cut | None, where: int, off: int, second: int, more: list[int], data: st.DataObject
 ) -> None:
     # The first read takes the first frame whole and stops inside the second, whose
     # header starts ``where + off`` bytes into the reader's buffer.
@@ -159,7 +168,7 @@ def test_frames_that_straddle_the_buffer_end(
 
 @CUTTERS
 def test_every_tight_spot_at_the_buffer_end(
-    cut: Cut,
+    cut: Cut | None,
 ) -> None:
     """The cases above, all of them: a header at each offset near a TIGHT spot, a frame
     of about SMALL after it, the first read ending a little way into that frame."""
@@ -182,11 +191,11 @@ def test_every_tight_spot_at_the_buffer_end(
 @CUTTERS
 @EXAMPLES
 @given(st.lists(frame_size(100 * KIB), min_size=1, max_size=10), st.data())
-def test_no_frame_after_stopped(cut: Cut, sizes: list[int], data: st.DataObject) -> None:
+def test_no_frame_after_stopped(cut: Cut | None, sizes: list[int], data: st.DataObject) -> None:
     frames = make_frames(sizes, 7)
     stop_after = data.draw(st.integers(1, len(frames)), label="stop after")
     got: list[bytes] = []
-    reader: Reader
+    reader: AnyReader
 
     def emit(frame: Buf) -> None:
         got.append(bytes(frame))
@@ -223,7 +232,7 @@ def test_no_frame_after_stopped(cut: Cut, sizes: list[int], data: st.DataObject)
     st.data(),
 )
 def test_an_oversize_header_is_refused_before_its_frame_is_allocated(
-    cut: Cut, good: tuple[int, list[int], int], after: int, data: st.DataObject
+    cut: Cut | None, good: tuple[int, list[int], int], after: int, data: st.DataObject
 ) -> None:
     limit, sizes, bad = good
     frames = make_frames(sizes, bad)

@@ -965,15 +965,33 @@ async def test_ext_copies_a_large_frame_off_the_event_loop() -> None:
         b.close()
 
 
-def test_the_default_stream_transport_cuts_frames_in_c() -> None:
-    t = StreamTransport("abstract")
+async def test_the_default_stream_transport_reads_frames_in_c() -> None:
+    from amesh._transport._stream_io import AioInbound
+
+    a, b, inbox = StreamTransport("abstract"), StreamTransport("abstract"), Inbox()
     try:
-        assert t.reader(lambda frame: None)._cut is _ext.cut_frames
+        assert isinstance(a.reader(lambda frame: None), _ext.FrameReader)
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.serve, inbox.deliver)
+                await a.send(b.address, b"first")
+                assert await inbox.take(1) == [b"first"]
+                [conn] = b._inbound
+                if isinstance(conn, AioInbound):  # asyncio: the loop reads into C itself
+                    assert conn._transport is not None
+                    assert isinstance(conn._transport.get_protocol(), _ext.FrameReader)
+                else:
+                    assert isinstance(conn.reader, _ext.FrameReader)
+                assert a.try_send(b.address, b"second")
+                assert await inbox.take(1) == [b"second"]
+                tg.cancel_scope.cancel()
     finally:
-        t.close()
+        a.close()
+        b.close()
     fallback = PyStreamTransport("abstract")
     try:
-        assert fallback.reader(lambda frame: None)._cut is wire.cut_frames_py
+        reader = fallback.reader(lambda frame: None)
+        assert isinstance(reader, wire.Reader) and reader._cut is wire.cut_frames_py
     finally:
         fallback.close()
 

@@ -1,6 +1,6 @@
 """Type stubs for the C extension ``amesh._ext`` (ext/_amesh_ext.c); written by hand."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final, final
 
 from typing_extensions import Buffer
@@ -192,3 +192,40 @@ def _wait_uninterruptibly(seconds: float, /) -> None:
     """For tests: the calling thread sleeps ``seconds`` in the kernel in state D (as
     the parent of a vfork child that sleeps; the child dies with this process), with
     the GIL released. Linux only."""
+
+class FrameReader:
+    """One inbound stream connection's length-prefixed frames, each handed to
+    ``emit(frame)``: :class:`amesh._transport._stream_wire.Reader` in C, fed the way
+    an event loop feeds an :class:`asyncio.BufferedProtocol` (a subclass that also
+    inherits ``BufferedProtocol`` is one, and its reads run no Python code).
+
+    Args:
+        max_frame: the largest frame accepted.
+        emit: gets each whole frame: ``bytes`` up to 16 KiB, else the memoryview that
+            ``frame_memory(size)`` gave, which the socket read into.
+        frame_memory: writable memory for a large frame (``bad_stream`` if none).
+        bad_stream: raised (with a message) for a frame above ``max_frame``.
+        fail: if given, called with the message instead of raising.
+    """
+
+    #: the connection is gone: emit no more frames
+    stopped: bool
+
+    def __init__(
+        self,
+        max_frame: int,
+        emit: Callable[[bytes | memoryview], object],
+        frame_memory: Callable[[int], memoryview],
+        bad_stream: type[Exception],
+        fail: Callable[[str], object] | None = None,
+    ) -> None: ...
+    def get_buffer(self, sizehint: int = -1, /) -> memoryview:
+        """Where the next read goes."""
+
+    def buffer_updated(self, nbytes: int, /) -> None:
+        """Account ``nbytes`` read into :meth:`get_buffer`; emit the frames they
+        complete.
+
+        Raises:
+            Exception: ``bad_stream`` (without ``fail``), or what ``emit`` raised.
+        """

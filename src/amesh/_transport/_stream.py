@@ -86,11 +86,13 @@ from ._stream_wire import (
     HLEN,
     MAX_SIZE,
     PREFIX,
+    AnyReader,
     BadStream,
     Buf,
     Reader,
     StreamBeat,
     byte_view,
+    c_reader,
     cut_frames_py,
     fresh_address,
     is_stream_address,
@@ -212,8 +214,17 @@ class StreamTransport:
     def max_frame(self) -> int:
         return self._max_frame
 
-    def reader(self, emit: Callable[[Buf], None]) -> Reader:
-        """A reader for one inbound connection that hands each frame to ``emit``."""
+    def reader(
+        self, emit: Callable[[Buf], None], fail: Callable[[str], None] | None = None
+    ) -> AnyReader:
+        """A reader for one inbound connection that hands each frame to ``emit``: the
+        C extension's where it is built (and ``fail`` gets what a bad frame raises),
+        else :class:`Reader`. The pure-Python fallback uses :class:`Reader` with
+        :func:`cut_frames_py`."""
+        if self.accelerated:
+            reader = c_reader(self._max_frame, emit, fail)
+            if reader is not None:
+                return reader
         return Reader(self._max_frame, emit, None if self.accelerated else cut_frames_py)
 
     def _fast(self) -> bool:

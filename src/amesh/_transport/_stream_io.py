@@ -29,7 +29,7 @@ from ._auth import (
     check_peer,
 )
 from ._base import FIRST_CONNECT_WINDOW
-from ._stream_wire import NOSIGNAL, BadStream, Buf, SockAddr, owned, tail
+from ._stream_wire import NOSIGNAL, AnyReader, BadStream, Buf, SockAddr, _frame_memory, owned, tail
 
 if TYPE_CHECKING:
     from ._stream import StreamTransport
@@ -68,14 +68,48 @@ LostCallback = Callable[[Any, str], None]
 # -- asyncio: the loop's protocols do the I/O --------------------------------------------
 
 
+def _frames_protocol() -> type[Any] | None:
+    """The C extension's reader as the protocol of a proven inbound connection (None
+    where it is not built): the loop's read callbacks are its C methods, so no Python
+    code of ours runs until a frame is whole; the connection's loss goes to the
+    :class:`AioInbound` it took over from."""
+    try:
+        from .._ext import FrameReader
+    except ImportError:
+        return None
+
+    class InboundFrames(FrameReader, asyncio.BufferedProtocol):
+        conn: AioInbound | None = None
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            if self.conn is not None:
+                self.conn.connection_lost(exc)
+
+    return InboundFrames
+
+
+_InboundFrames = _frames_protocol()
+
+
 class AioInbound(asyncio.BufferedProtocol):
     """One accepted connection, read by the event loop: into a :class:`~._auth.Gate`
-    until the peer has proven itself, then straight into a :class:`Reader`."""
+    until the peer has proven itself, then straight into a reader. The C extension's
+    reader then becomes the connection's protocol (see :func:`_frames_protocol`);
+    without it, this protocol feeds a :class:`Reader`."""
 
     def __init__(self, owner: StreamTransport) -> None:
         self._owner = owner
         # (frames go straight to the transport: no method of ours in between)
-        self._reader = owner.reader(partial(owner._inbound_frame, conn=self))
+        emit = partial(owner._inbound_frame, conn=self)
+        self._frames: Any = None
+        self._reader: AnyReader
+        if owner.accelerated and _InboundFrames is not None:
+            self._frames = self._reader = _InboundFrames(
+                owner.max_frame, emit, _frame_memory, BadStream, self._bad
+            )
+            self._frames.conn = self
+        else:
+            self._reader = owner.reader(emit)
         self._gate: Gate | None = Gate(owner.address)
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
@@ -116,8 +150,11 @@ class AioInbound(asyncio.BufferedProtocol):
         try:
             self._reader.buffer_updated(nbytes)
         except BadStream as exc:
-            log.warning("dropping an inbound connection from %s: %s", self.peer or self._who, exc)
-            self.abort()
+            self._bad(str(exc))
+
+    def _bad(self, why: str) -> None:
+        log.warning("dropping an inbound connection from %s: %s", self.peer or self._who, why)
+        self.abort()
 
     def _open(self, nbytes: int) -> None:
         """Bytes of the handshake: pass on what follows a good answer, refuse a bad one."""
@@ -136,6 +173,8 @@ class AioInbound(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._frames is not None and self._transport is not None:
+            self._transport.set_protocol(self._frames)  # the next read goes to C
         if rest:  # frames pipelined behind the answer
             self._reader.get_buffer()[: len(rest)] = rest
             self.buffer_updated(len(rest))

@@ -12,12 +12,16 @@ import socket
 import struct
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from ._auth import CHALLENGE_LEN, Refused, answer
 from ._paths import ipc_dir
 
+if TYPE_CHECKING:
+    from .._ext import FrameReader
+
 __all__ = [
+    "AnyReader",
     "HEADER",
     "HLEN",
     "MAX_SIZE",
@@ -30,6 +34,7 @@ __all__ = [
     "SockAddr",
     "StreamBeat",
     "byte_view",
+    "c_reader",
     "cut_frames_py",
     "fresh_address",
     "is_stream_address",
@@ -250,6 +255,10 @@ class Reader:
             self._start, self._end = 0, len(rest)
 
 
+#: A reader of either kind: :class:`Reader`, or its C twin (see :func:`c_reader`).
+AnyReader = Union[Reader, "FrameReader"]
+
+
 def cut_frames_py(buf: bytearray, start: int, end: int, limit: int) -> tuple[list[bytes], int, int]:
     """:func:`amesh._ext.cut_frames` in Python: the whole frames of ``buf[start:end]``,
     where the rest starts, and the length the next frame announces (-1: fewer than
@@ -277,6 +286,18 @@ def _c_cutter() -> Callable[[bytearray, int, int, int], tuple[list[bytes], int, 
 #: What a :class:`Reader` cuts frames with unless told: the C extension's
 #: ``cut_frames`` where it is built, else :func:`cut_frames_py`.
 CUT_FRAMES = _c_cutter() or cut_frames_py
+
+
+def c_reader(
+    max_frame: int, emit: Callable[[Buf], None], fail: Callable[[str], None] | None = None
+) -> AnyReader | None:
+    """:class:`Reader` in C (``amesh._ext.FrameReader``), None where it is not built.
+    With ``fail``, a bad frame calls ``fail(message)`` instead of raising BadStream."""
+    try:
+        from .._ext import FrameReader
+    except ImportError:
+        return None
+    return FrameReader(max_frame, emit, _frame_memory, BadStream, fail)
 
 
 # -- heartbeats from a plain thread --------------------------------------------------------
