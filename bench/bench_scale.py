@@ -13,7 +13,8 @@ settings: event-loop streams, fan-out 16):
   (``os.cpu_count()``), i.e. what the call would take if every CPU did nothing else;
 - ``bcast_per_s``: broadcast deliveries per second (``--casts`` broadcasts to all N
   ranks, then a call that sees every one delivered);
-- ``pss_mib_per_worker``: PSS of the workers (``/proc/<pid>/smaps_rollup``) divided by N.
+- ``pss_mib_per_worker``: PSS of the workers (``/proc/<pid>/smaps_rollup``) divided by N;
+- ``stop_s``: leaving the ``ProcMesh`` block: every worker stopped and gone.
 
 Then a 4,096-rank mesh of in-process workers (``amesh.testing.InProcessHost`` on the
 memory transport): the frames the controller sends per broadcast and per ``call()``
@@ -130,6 +131,8 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             if counts != [casts] * n:
                 raise AssertionError("a broadcast was lost")
             pss = _pss_mib(list(procs.pids)) / n
+            t = time.perf_counter()
+        stop = time.perf_counter() - t
         return {
             "n": n,
             "spawn_s": spawn,
@@ -139,6 +142,7 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             "floor_ms": cpu / (os.cpu_count() or 1) * 1e3,
             "bcast_per_s": casts * n / cast_s,
             "pss_mib_per_worker": pss,
+            "stop_s": stop,
         }
 
     result: dict[str, Any] = amesh.run(main)
@@ -218,16 +222,16 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs; default settings (fan-out 16)")
     print(
         "| processes | spawn + first answer (s) | call() to all p50 / p99 (ms) | CPU per "
-        "call (ms) | floor (ms) | broadcast deliveries/s | PSS per worker (MiB) |"
+        "call (ms) | floor (ms) | broadcast deliveries/s | PSS per worker (MiB) | stop (s) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "spawn_s" not in r:
             continue
         print(
             f"| {r['n']} | {r['spawn_s']:.2f} | {r['call_p50_ms']:.1f} / {r['call_p99_ms']:.1f} "
             f"| {r['cpu_per_call_ms']:.1f} | {r['floor_ms']:.1f} | {r['bcast_per_s']:,.0f} "
-            f"| {r['pss_mib_per_worker']:.1f} |"
+            f"| {r['pss_mib_per_worker']:.1f} | {r['stop_s']:.2f} |"
         )
     for r in rows:
         if "frames_per_cast" in r:
