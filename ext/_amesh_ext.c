@@ -39,6 +39,9 @@
  * - FrameReader: that whole reader, so that the event loop's read callbacks on a
  *   proven inbound connection run no Python code until a frame is handed over.
  *
+ * - exit_when_closed(): a worker's watch of the pipe its parent holds, as a bare
+ *   thread that ends the process when the pipe closes.
+ *
  * - pread_bytes(), copy_bytes(): a large bytes payload read out of shared memory
  *   (amesh._codec) goes into a bytes object the process already has and nobody
  *   references any more, rather than into fresh pages; copy_bytes() copies out of
@@ -1946,6 +1949,63 @@ ext_copy_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(NO)", data, reused ? Py_True : Py_False);
 }
 
+/* ========================================================================== */
+/* exit_when_closed(): a worker dies with the pipe its parent holds             */
+/* ========================================================================== */
+
+/*
+ * exit_when_closed(fd): a detached thread of its own (a small stack, every signal
+ * blocked, never the GIL) reads fd until end of file or an error, and then ends the
+ * process at once (_exit(1)). A worker watches the pipe whose write end only its
+ * parent holds, so that it dies with the parent. What starting a Python thread for
+ * this costs a freshly forked worker (its thread state, the GIL handed back and forth)
+ * is most of a millisecond; this thread costs a clone.
+ */
+static void *
+exit_watch_main(void *arg)
+{
+    int fd = (int)(intptr_t)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    char buf[512];
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n > 0 || (n < 0 && errno == EINTR)) {
+            continue;
+        }
+        _exit(1);
+    }
+    return NULL;
+}
+
+static PyObject *
+ext_exit_when_closed(PyObject *module, PyObject *arg)
+{
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (fd < 0 || fd > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "not a file descriptor: %ld", fd);
+        return NULL;
+    }
+    pthread_attr_t attr;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        pthread_t thread;
+        rc = pthread_create(&thread, &attr, exit_watch_main, (void *)(intptr_t)fd);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc != 0) {
+        errno = rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef ext_methods[] = {
     {"bind", (PyCFunction)ext_bind, METH_O,
      "bind(functions): the addresses of NNG_FUNCTIONS in the loaded NNG."},
@@ -1963,6 +2023,9 @@ static PyMethodDef ext_methods[] = {
     {"copy_bytes", (PyCFunction)(void (*)(void))ext_copy_bytes, METH_FASTCALL,
      "copy_bytes(buffer, size, spare) -> (data, reused): pread_bytes() out of a\n"
      "buffer: its first size bytes, in an object of spare nothing else references."},
+    {"exit_when_closed", (PyCFunction)ext_exit_when_closed, METH_O,
+     "exit_when_closed(fd): a thread of its own ends the process (_exit(1)) once\n"
+     "fd reads end of file or fails."},
     {"finalize", (PyCFunction)ext_finalize, METH_NOARGS,
      "Stop every Receiver and NNG Beat, and make no more NNG calls (run before nng_fini)."},
     {"_wait_uninterruptibly", (PyCFunction)ext_wait_uninterruptibly, METH_O,

@@ -63,6 +63,35 @@ async def test_a_worker_ends_its_threads_then_its_atexit_handlers(tmp_path: Path
     assert written == {f"exit-{pid}": "thread\natexit\n" for pid in pids}
 
 
+def test_a_worker_watch_ends_the_process_when_its_pipe_closes() -> None:
+    # amesh._ext.exit_when_closed: how a worker dies with the pipe its parent holds
+    r, w = os.pipe()
+    code = (
+        "import sys, threading; from amesh import _ext; "
+        "_ext.exit_when_closed(int(sys.argv[1])); print('watching', flush=True); "
+        "threading.Event().wait()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(r)], pass_fds=(r,), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        os.close(r)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "watching\n"
+        assert proc.poll() is None  # the pipe is open: it lives
+        os.close(w)
+        w = -1
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if w >= 0:
+            os.close(w)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 async def test_init_failure_raises_with_remote_traceback_and_leaves_nothing() -> None:
     with anyio.fail_after(60):
         with pytest.raises(SupervisionError, match=r"BadInit\.__init__ failed") as info:

@@ -14,6 +14,15 @@ def finalize() -> None:
     """Stop every Receiver and NNG :class:`Beat` and make no more NNG calls; run
     before pynng's nng_fini()."""
 
+def exit_when_closed(fd: int, /) -> None:
+    """Start a thread of its own (no Python, every signal blocked) that reads ``fd``
+    until end of file or an error, then ends the process with ``_exit(1)``.
+
+    Raises:
+        ValueError: ``fd`` is negative.
+        OSError: the thread could not be started.
+    """
+
 class NngError(OSError):
     """An NNG error; ``errno`` is NNG's error number, ``strerror`` its text."""
 

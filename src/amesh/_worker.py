@@ -79,6 +79,13 @@ def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before we could watch it
         os._exit(1)
+    try:
+        from ._ext import exit_when_closed
+    except ImportError:  # not built: a Python thread does it
+        pass
+    else:
+        exit_when_closed(0)
+        return
 
     def watch_stdin() -> None:
         try:

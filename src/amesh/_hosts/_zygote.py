@@ -618,8 +618,13 @@ def main() -> None:
     if req is None:
         return
     # In a fresh child: become what `python -m amesh._worker` would have been.
-    os.environ.clear()
-    os.environ.update(req.env)
+    # (only what differs: a put or unset per variable costs a fresh child ~10 µs)
+    env = req.env
+    for name in [name for name in os.environ if name not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
     reset_settings()  # the worker's own, from its environment
     os.chdir(req.cwd)
     from .. import _worker
