@@ -450,6 +450,21 @@ def dumps_plain(obj: Any) -> Payload | None:
     return payload
 
 
+def dumps_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload | None:
+    """:func:`dumps_plain` of a call's ``(args, kwargs)``: the commonest case, a few
+    builtin scalars and short strings and bytes, checked without the walk."""
+    if len(args) <= 8 and len(kwargs) <= 8:
+        for x in (*args, *kwargs.values()):
+            t = type(x)
+            if t not in _PLAIN_SCALARS and not (
+                (t is str or t is bytes) and len(x) <= _PLAIN_BYTES
+            ):
+                break
+        else:
+            return plain_payload(pickle.dumps((args, kwargs), 5))
+    return dumps_plain((args, kwargs))
+
+
 def dumps(obj: Any, *, shm: bool = False) -> Payload:
     """Pickle ``obj``; large buffers are kept out of band.
 

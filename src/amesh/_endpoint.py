@@ -198,13 +198,14 @@ class MeshEndpoint(Generic[P, R]):
         large buffers for receivers on this host may go through shared memory (never
         for casts, whose sender cannot tell when they were loaded)."""
         self._desc.bind_check(args, kwargs)
+        # a few builtins (most calls): pickled at once, never through shared memory
+        # (and none of them a ValueMesh to scatter)
+        plain = _codec.dumps_args(args, kwargs)
+        if plain is not None:
+            return plain
         keys = _scattered(args, kwargs)
         if keys:
             return self._encode_each(args, kwargs, keys, targets, shm)
-        # a few builtins (most calls): pickled at once, never through shared memory
-        plain = _codec.dumps_plain((args, kwargs))
-        if plain is not None:
-            return plain
         # receivers on this host: large buffers may go through shared memory
         if shm:
             if len(targets) == 1:
