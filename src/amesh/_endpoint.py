@@ -13,7 +13,7 @@ import anyio
 from . import _codec, _wire
 from ._errors import ActorError, DeadlockError, Failure, ProtocolError, SupervisionError
 from ._runtime._calls import rank_label
-from ._runtime._context import is_local, runtime_var
+from ._runtime._context import is_local
 from ._runtime._runtime import Payloads, Pending, Runtime, current_runtime
 from ._runtime._session import Stream, bridged
 from ._shape import Point, Shape
@@ -431,21 +431,12 @@ class MeshEndpoint(Generic[P, R]):
             )
         payload = self._encode(args, kwargs, targets)
         timeout = self._timeout
-        rt = runtime_var.get()
-        if rt is None or rt.links.closed:
-            rt = current_runtime()  # raises, saying why
+        rt = current_runtime()
         labels, sizes = mesh._wire_shape()
         pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
         done = False
         try:
-            if type(payload) is _codec.Payload and not payload.segments:  # none to release
-                await rt.router.send_requests(
-                    pending, self._desc.name, labels, sizes, payload, mesh._tree()
-                )
-            else:
-                await rt.send_requests(
-                    pending, self._desc.name, labels, sizes, payload, mesh._tree()
-                )
+            await rt.send_requests(pending, self._desc.name, labels, sizes, payload, mesh._tree())
             if timeout is None:
                 rank, ok, value = await pending.next()
             else:
@@ -456,10 +447,7 @@ class MeshEndpoint(Generic[P, R]):
             done = True
             return result
         finally:
-            if done:  # nothing to cancel
-                rt.calls.close(pending, False)
-            else:
-                rt.close_call(pending, cancel=True)
+            rt.close_call(pending, cancel=not done)
 
     @bridged
     async def choose(self, *args: P.args, **kwargs: P.kwargs) -> R:

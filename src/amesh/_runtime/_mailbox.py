@@ -27,7 +27,6 @@ from anyio.abc import TaskGroup
 
 from .. import _codec, _wire
 from .._config import debug
-from . import _capture
 from ._capture import before_reply
 from ._context import (
     CallContext,
@@ -513,11 +512,7 @@ class ActorInstance:
         try:
             if handler is None:
                 raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
-            data = env.payload  # (_wire.unpack, inline)
-            if data or not buffers:
-                args, kwargs = _codec.loads(data, buffers)
-            else:
-                args, kwargs = _codec.loads(buffers[0], buffers[1:])
+            args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
             if handler.thread:
                 # In a worker thread, which pickles the result too; a cancel
                 # waits for it to return (the actor stays serial), and
@@ -601,15 +596,9 @@ class ActorInstance:
             except Exception as exc:  # any pickling error is the call's
                 failure = exc
             else:
-                if payload.buffers or len(payload.data) >= _wire.INLINE_LIMIT:
-                    data, lengths, parts = _wire.pack(payload.data, payload.buffers)
-                else:  # (pack's common case, inline)
-                    data, lengths, parts = payload.data, [], []
+                data, lengths, parts = _wire.pack(payload.data, payload.buffers)
                 reply = _wire.Reply(reply_id, rank, data, lengths)
-                # what the handler printed reaches the caller first (before_reply, inline)
-                capture = _capture._active
-                if capture is not None and capture.pending:
-                    capture.flush_nowait()
+                before_reply()  # what the handler printed reaches the caller first
                 try:
                     return rt.links.send_soon(dest, reply, parts)
                 except ValueError as exc:  # larger than the transport takes: say so
@@ -644,11 +633,7 @@ class ActorInstance:
         failure: BaseException | None = None
         later: Any = None
         try:
-            data = env.payload  # (_wire.unpack, inline)
-            if data or not buffers:
-                args, kwargs = _codec.loads(data, buffers)
-            else:
-                args, kwargs = _codec.loads(buffers[0], buffers[1:])
+            args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
             try:
                 result = handler.fn(self.obj, *args, **kwargs)
                 if handler.coroutine:  # with no await in its code

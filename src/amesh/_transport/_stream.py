@@ -214,15 +214,12 @@ class StreamTransport:
     def max_frame(self) -> int:
         return self._max_frame
 
-    def reader(
-        self, emit: Callable[[Buf], None], fail: Callable[[str], None] | None = None
-    ) -> AnyReader:
+    def reader(self, emit: Callable[[Buf], None]) -> AnyReader:
         """A reader for one inbound connection that hands each frame to ``emit``: the
-        C extension's where it is built (and ``fail`` gets what a bad frame raises),
-        else :class:`Reader`. The pure-Python fallback uses :class:`Reader` with
-        :func:`cut_frames_py`."""
+        C extension's where it is built, else :class:`Reader`. The pure-Python fallback
+        uses :class:`Reader` with :func:`cut_frames_py`."""
         if self.accelerated:
-            reader = c_reader(self._max_frame, emit, fail)
+            reader = c_reader(self._max_frame, emit)
             if reader is not None:
                 return reader
         return Reader(self._max_frame, emit, None if self.accelerated else cut_frames_py)
@@ -247,8 +244,10 @@ class StreamTransport:
         if self._closed:
             raise TransportClosed("transport is closed")
         if isinstance(frame, bytes):  # the common case: no list to walk
-            parts: list[Buf] = [frame]
             size = len(frame)
+            if size <= self._max_frame:
+                return [HEADER.pack(size), frame], size + HLEN, size
+            parts: list[Buf] = [frame]
         else:
             if isinstance(frame, list):
                 parts = [p if isinstance(p, bytes) else byte_view(p) for p in frame]
@@ -300,12 +299,7 @@ class StreamTransport:
         self._lost_handler = handler
 
     def try_send(self, addr: str, frame: Frame) -> bool:
-        if type(frame) is bytes and not self._closed and len(frame) <= self._max_frame:
-            size = len(frame)  # the common case of _frame, inline
-            bufs: list[Buf] = [HEADER.pack(size), frame]
-            total = size + HLEN
-        else:
-            bufs, total, size = self._frame(frame)
+        bufs, total, size = self._frame(frame)
         link = self._links.get(addr) or self._link(addr)
         if link.waiters or not link.try_write(bufs, total):
             return False

@@ -419,10 +419,7 @@ class AioLink(Waiters):
 
     def try_write(self, bufs: list[Buf], total: int) -> bool:
         """:meth:`write` if :meth:`writable`, in one step; False: full, nothing done."""
-        conn = self.conn  # (_live, inline)
-        if conn is not None and conn.transport is not None and conn.transport.is_closing():
-            self.fail("the connection broke")
-            conn = None
+        conn = self._live()
         if conn is None:
             if self.pending_bytes >= HIGH_WATER:
                 return False

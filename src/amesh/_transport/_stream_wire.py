@@ -288,16 +288,13 @@ def _c_cutter() -> Callable[[bytearray, int, int, int], tuple[list[bytes], int, 
 CUT_FRAMES = _c_cutter() or cut_frames_py
 
 
-def c_reader(
-    max_frame: int, emit: Callable[[Buf], None], fail: Callable[[str], None] | None = None
-) -> AnyReader | None:
-    """:class:`Reader` in C (``amesh._ext.FrameReader``), None where it is not built.
-    With ``fail``, a bad frame calls ``fail(message)`` instead of raising BadStream."""
+def c_reader(max_frame: int, emit: Callable[[Buf], None]) -> AnyReader | None:
+    """:class:`Reader` in C (``amesh._ext.FrameReader``), None where it is not built."""
     try:
         from .._ext import FrameReader
     except ImportError:
         return None
-    return FrameReader(max_frame, emit, _frame_memory, BadStream, fail)
+    return FrameReader(max_frame, emit, _frame_memory, BadStream)
 
 
 # -- heartbeats from a plain thread --------------------------------------------------------
