@@ -395,8 +395,8 @@ def main(boot: Bootstrap | None = None) -> None:
     code = 0
     try:
         anyio.run(_serve, boot, backend=backend, backend_options=loop_options(backend))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # what the interpreter would exit with
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
