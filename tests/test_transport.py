@@ -996,40 +996,304 @@ async def test_the_default_stream_transport_reads_frames_in_c() -> None:
         fallback.close()
 
 
-def test_frames_waiting_for_the_turns_end_never_reach_an_aborted_connection() -> None:
+# -- the asyncio connection's writer: Python (AioConn) and C (FastConn) ------------------
+
+
+class FakeLoop:
+    """Keeps what ``call_soon`` was given; the test ends the turn itself."""
+
+    def __init__(self) -> None:
+        self.soon: list[Callable[[], None]] = []
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self.soon.append(fn)
+
+    def end_turn(self) -> None:
+        soon, self.soon = self.soon, []
+        for fn in soon:
+            fn()
+
+
+class FakeLink:
+    """What a connection asks of its :class:`AioLink`."""
+
+    def __init__(self, small: int | None) -> None:
+        self._loop = FakeLoop()
+        self.batching = True
+        self.small = small
+        self.closed = False
+        self.pending: list[Any] = []
+        self.pending_bytes = 0
+        self.conn: Any = None
+        self.fast: Any = None
+        self.failed: list[str] = []
+
+    def wake(self) -> None:
+        pass
+
+    def fail(self, why: str) -> None:
+        self.failed.append(why)
+
+
+class FakeTransport:
+    """A socket's asyncio transport: what the kernel did not take waits in ``buffer``
+    (written out by :meth:`drain`, as the loop would once the socket has room)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self.closing = False
+
+    def get_extra_info(self, name: str) -> Any:
+        return self.sock if name == "socket" else None
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.buffer)
+
+    def write(self, data: Any) -> None:
+        self.buffer += bytes(data)
+
+    def writelines(self, parts: list[Any]) -> None:
+        for part in parts:
+            self.write(part)
+
+    def abort(self) -> None:
+        self.closing = True
+        self.buffer = b""
+
+    def drain(self) -> None:
+        self.sock.setblocking(True)
+        self.sock.sendall(self.buffer)
+        self.buffer = b""
+
+
+def _writer_kinds() -> list[Any]:
+    from amesh._transport._stream_io import AioConn, _FastConn
+
+    return [pytest.param(AioConn, id="python"), pytest.param(_FastConn, id="c")]
+
+
+def _frames_in(data: bytes) -> list[bytes]:
+    """The length-prefixed frames of ``data``, which must end with a whole one."""
+    frames, pos = [], 0
+    while pos < len(data):
+        (n,) = wire.HEADER.unpack_from(data, pos)
+        frames.append(data[pos + wire.HLEN : pos + wire.HLEN + n])
+        pos += wire.HLEN + n
+    assert pos == len(data), "a frame was cut"
+    return frames
+
+
+class Writer:
+    """One connection of the kind under test over a socket pair, and its peer's end."""
+
+    def __init__(self, kind: Any, sndbuf: int = 0) -> None:
+        from amesh._transport._stream_io import BATCH_FRAME
+
+        self.fast = kind.__name__ == "FastConn"
+        self.link = FakeLink(BATCH_FRAME if self.fast else None)
+        ours, self.peer = socket.socketpair()
+        if sndbuf:
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        ours.setblocking(False)
+        self.peer.setblocking(False)
+        self.sock = ours
+        self.transport = FakeTransport(ours)
+        self.conn = kind(self.link, b"")
+        self.conn.connection_made(self.transport)
+        assert self.link.conn is self.conn
+        assert (self.link.fast is self.conn) == self.fast
+        self.reader = _ext.FrameReader(
+            1 << 20, lambda frame: None, wire._frame_memory, wire.BadStream
+        )
+
+    def read_something(self) -> None:
+        """A read, as an inbound connection's: the C reader's, or the Python one's."""
+        if self.fast:
+            self.reader.get_buffer(-1)
+            self.reader.buffer_updated(0)
+        else:
+            from amesh._transport import _stream_io
+
+            _stream_io._reads += 1
+
+    def send(self, frame: bytes) -> bool:
+        """As StreamTransport.try_send: False if the connection broke."""
+        if self.fast:
+            taken = self.conn.send(frame)
+            if taken:
+                return bool(taken > 0)
+        ok: bool = self.conn.write([wire.HEADER.pack(len(frame)), frame], len(frame) + wire.HLEN)
+        return ok
+
+    def received(self) -> list[bytes]:
+        """The frames that left the connection: what the peer can read now, then what
+        waits in the transport for room in the socket."""
+        data = b""
+        while True:
+            try:
+                got = self.peer.recv(1 << 20)
+            except BlockingIOError:
+                break
+            if not got:
+                break
+            data += got
+        data, self.transport.buffer = data + self.transport.buffer, b""
+        return _frames_in(data)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.peer.close()
+
+
+@pytest.mark.parametrize("kind", _writer_kinds())
+def test_a_frame_after_a_read_goes_at_once_later_ones_at_the_turns_end(kind: Any) -> None:
+    """A frame goes to the kernel at once when something was read since the
+    connection's last one went at once (a reply, a call after a reply); the frames
+    after it in the turn go together when it ends."""
+    w = Writer(kind)
+    try:
+        w.read_something()
+        assert w.send(b"reply")
+        assert w.received() == [b"reply"] and not w.link._loop.soon
+        assert w.send(b"two") and w.send(b"three")
+        assert w.received() == []  # they wait for the end of the turn
+        assert len(w.link._loop.soon) == 1
+        w.link._loop.end_turn()
+        assert w.received() == [b"two", b"three"]
+        w.read_something()
+        assert w.send(b"after a read")
+        assert w.received() == [b"after a read"]
+        assert w.send(b"no read since")  # the next turn, with nothing read: it waits
+        assert w.received() == []
+        w.link._loop.end_turn()
+        assert w.received() == [b"no read since"]
+        w.link.batching = False
+        if w.fast:
+            w.conn.batching = False
+        assert w.send(b"unbatched") and w.send(b"unbatched too")
+        assert w.received() == [b"unbatched", b"unbatched too"] and not w.link._loop.soon
+        assert w.link.failed == []
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("kind", _writer_kinds())
+def test_a_large_frame_goes_after_what_waits_and_a_full_batch_goes_at_once(kind: Any) -> None:
+    from amesh._transport._stream_io import BATCH_BYTES, BATCH_FRAME
+
+    w = Writer(kind)
+    try:
+        w.read_something()
+        small = [bytes([i]) * 100 for i in range(5)]
+        large = b"L" * (BATCH_FRAME + 1)
+        for frame in small[:3]:
+            assert w.send(frame)
+        assert w.send(large)
+        assert w.send(small[3])
+        got = w.received()
+        assert got == [small[0], small[1], small[2], large]  # what waited went first
+        w.link._loop.end_turn()
+        assert w.received() == [small[3]]
+        # a batch of BATCH_BYTES goes at once, before the turn ends
+        w.read_something()
+        frames = [
+            i.to_bytes(4, "little") * (BATCH_FRAME // 4)
+            for i in range(BATCH_BYTES // BATCH_FRAME + 1)
+        ]
+        for frame in frames:
+            assert w.send(frame)
+        got = w.received()
+        assert got == frames[: len(got)] and len(got) == len(frames)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("kind", _writer_kinds())
+def test_what_the_kernel_does_not_take_waits_in_the_transport_in_order(kind: Any) -> None:
+    w = Writer(kind, sndbuf=4096)
+    try:
+        frames = [i.to_bytes(4, "little") * 1000 for i in range(200)]  # 4 KB each
+        for frame in frames:
+            w.read_something()  # each goes at once: into the socket, or behind it
+            assert w.send(frame)
+        assert w.transport.get_write_buffer_size() > 0  # the socket took only some
+        drainer = threading.Thread(target=w.transport.drain)  # as the loop would
+        drainer.start()
+        w.peer.setblocking(True)
+        w.peer.settimeout(30)
+        data = b""
+        want = sum(len(f) + wire.HLEN for f in frames)
+        while len(data) < want:
+            data += w.peer.recv(1 << 20)
+        drainer.join(30)
+        assert not drainer.is_alive()
+        assert _frames_in(data) == frames
+        assert w.link.failed == []
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("kind", _writer_kinds())
+def test_a_write_to_a_broken_connection_aborts_it(kind: Any) -> None:
+    w = Writer(kind)
+    try:
+        w.peer.close()
+        w.read_something()
+        assert not w.send(b"into the void")
+        assert w.transport.closing  # aborted (the link then fails, and drops the connection)
+    finally:
+        w.sock.close()
+
+
+@pytest.mark.parametrize("kind", _writer_kinds())
+def test_frames_waiting_for_the_turns_end_never_reach_an_aborted_connection(kind: Any) -> None:
     """An aborted connection's fd may be reused at once: what waited is dropped, and the
     link fails, rather than written to whatever the number names now."""
-    from amesh._transport._stream_io import AioConn
-
-    class Link:
-        batching = True
-        _loop = None  # (the connection takes it; this test ends the turn itself)
-
-        def __init__(self) -> None:
-            self.failed: list[str] = []
-
-        def fail(self, why: str) -> None:
-            self.failed.append(why)
-
-    class Aborted:
-        def is_closing(self) -> bool:
-            return True
-
-        def get_write_buffer_size(self) -> int:
-            return 0
-
-    r, w = os.pipe()
+    w = Writer(kind)
     try:
-        link = Link()
-        conn = AioConn(link, b"")  # type: ignore[arg-type]
-        conn._fd = w
-        conn.transport = Aborted()  # type: ignore[assignment]
-        conn._batch, conn._batch_bytes = [b"\x03\x00\x00\x00abc"], 7
-        conn._end_turn()
-        assert link.failed == ["the connection broke"]
-        os.set_blocking(r, False)
-        with pytest.raises(BlockingIOError):
-            os.read(r, 100)  # nothing was written
+        w.read_something()
+        assert w.send(b"first") and w.send(b"waits")
+        assert w.received() == [b"first"]
+        w.transport.closing = True  # aborted meanwhile
+        w.link._loop.end_turn()
+        assert w.link.failed == ["the connection broke"]
+        assert w.received() == []  # nothing was written
     finally:
-        os.close(r)
-        os.close(w)
+        w.close()
+
+
+def test_the_c_writer_leaves_what_it_cannot_take_untouched() -> None:
+    """FrameWriter.send takes only a small bytes frame on an open, unpaused
+    connection; anything else is the Python path's (0: nothing done)."""
+    from amesh._transport._stream_io import BATCH_FRAME, _FastConn
+
+    w = Writer(_FastConn)
+    try:
+        conn = w.conn
+        w.read_something()
+        assert conn.send(bytearray(b"not bytes")) == 0
+        assert conn.send(memoryview(b"a view")) == 0
+        assert conn.send(b"x" * (BATCH_FRAME + 1)) == 0
+        conn.paused = True
+        assert conn.send(b"paused") == 0
+        conn.paused = False
+        w.transport.closing = True
+        assert conn.send(b"closing") == 0
+        w.transport.closing = False
+        fd, conn.fd = conn.fd, -1
+        assert conn.send(b"no fd") == 0
+        conn.fd = fd
+        assert w.received() == [] and not w.link._loop.soon and conn.batched == 0
+        assert conn.send(b"x" * BATCH_FRAME) == 1
+        assert w.received() == [b"x" * BATCH_FRAME]
+        with pytest.raises(ValueError):
+            _ext.FrameWriter(-1, 10)
+    finally:
+        w.close()

@@ -1,7 +1,7 @@
 """Type stubs for the C extension ``amesh._ext`` (ext/_amesh_ext.c); written by hand."""
 
 from collections.abc import Callable, Iterable
-from typing import Final, final
+from typing import Any, Final, final
 
 from typing_extensions import Buffer
 
@@ -238,3 +238,54 @@ class FrameReader:
         Raises:
             Exception: ``bad_stream`` (without ``fail``), or what ``emit`` raised.
         """
+
+class FrameWriter:
+    """The write side of one outbound stream connection on asyncio, for frames of up
+    to ``small`` bytes: a protocol that inherits it sets :attr:`fd`,
+    :attr:`transport`, :attr:`call_soon` and :attr:`end_turn` once connected.
+
+    :meth:`send` puts a frame's 4-byte length in front of it and writes both at once
+    (one ``writev``) when a :class:`FrameReader` of this process read something since
+    this connection's last frame written at once; else the frame is copied into a
+    batch, which goes in one write at the end of the loop's turn (the first frame
+    batched calls ``call_soon(end_turn)``; ``end_turn`` calls :meth:`finish_turn`), or
+    at once when it holds ``batch_bytes``. What the kernel does not take goes to
+    ``transport.write()``.
+
+    Args:
+        small: the largest frame :meth:`send` takes.
+        batch_bytes: a batch this large is written at once.
+    """
+
+    #: the socket's file descriptor; -1: none
+    fd: int
+    #: the connection's asyncio transport (None: none)
+    transport: Any
+    #: the loop's ``call_soon``
+    call_soon: Callable[[Callable[[], object]], object] | None
+    #: called by the loop at the end of a turn with a batch; calls :meth:`finish_turn`
+    end_turn: Callable[[], object] | None
+    #: the transport asked us to stop writing
+    paused: bool
+    #: whether frames may wait for the end of the turn (False: each goes at once)
+    batching: bool
+
+    def __init__(self, small: int, batch_bytes: int) -> None: ...
+    def send(self, frame: object, /) -> int:
+        """1: the frame is written or batched; 0: not taken, nothing done (not
+        ``bytes``, larger than ``small``, or the connection paused, gone or closing);
+        -1: taken, but the connection broke (the transport is aborted)."""
+
+    def flush(self) -> bool:
+        """Write what is batched now; False if the connection broke or is gone (what
+        waited is lost)."""
+
+    def finish_turn(self) -> bool:
+        """The loop's turn is over (``end_turn`` runs): :meth:`flush`."""
+
+    def drop(self) -> None:
+        """Forget what is batched (the connection is gone)."""
+
+    @property
+    def batched(self) -> int:
+        """Bytes batched, waiting."""

@@ -73,6 +73,7 @@ from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._paths import ensure_ipc_dir
 from ._stream_io import (
+    BATCH_FRAME,
     HIGH_WATER,
     AioInbound,
     AioLink,
@@ -276,6 +277,7 @@ class StreamTransport:
                     self._identity,
                     self._link_lost,
                     self.batch_writes,
+                    min(BATCH_FRAME, self._max_frame) if self.accelerated else None,
                 )
             else:
                 link = AnyioLink(addr, family, sockaddr, self._identity, self._link_lost)
@@ -299,8 +301,18 @@ class StreamTransport:
         self._lost_handler = handler
 
     def try_send(self, addr: str, frame: Frame) -> bool:
+        link = self._links.get(addr)
+        if link is not None and link.fast is not None and not link.waiters:
+            # the common case: a small frame, written (or batched) by the C extension
+            taken = link.fast.send(frame)
+            if taken:
+                if taken < 0:
+                    link.fail("the connection broke")
+                self._sent += 1
+                self._bytes_sent += len(frame)
+                return True
         bufs, total, size = self._frame(frame)
-        link = self._links.get(addr) or self._link(addr)
+        link = link or self._link(addr)
         if link.waiters or not link.try_write(bufs, total):
             return False
         self._sent += 1

@@ -51,9 +51,10 @@ HIGH_WATER = 2 * 1024 * 1024
 #: asyncio resumes a paused link once its write buffer is below this.
 LOW_WATER = HIGH_WATER // 4
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-#: After a link's first frame in a turn of the event loop (written at once, so that
-#: the peer can start on it), frames of up to this many bytes wait for the end of the
-#: turn and go in one system call, up to :data:`BATCH_BYTES` at a time.
+#: A link's frame goes to the kernel at once when something was read since its last
+#: frame written at once (the peer can start on it); after that one, frames of up to
+#: this many bytes wait for the end of the loop's turn and go in one system call, up to
+#: :data:`BATCH_BYTES` at a time.
 BATCH_FRAME = 16 * 1024
 BATCH_BYTES = 256 * 1024
 #: A first connect that fails is tried again after this, doubling up to the maximum,
@@ -89,6 +90,10 @@ def _frames_protocol() -> type[Any] | None:
 
 
 _InboundFrames = _frames_protocol()
+
+#: How many reads the Python reader took in this process (the C reader counts its own
+#: for :class:`~amesh._ext.FrameWriter`): see :meth:`AioConn.write`.
+_reads = 0
 
 
 class AioInbound(asyncio.BufferedProtocol):
@@ -144,9 +149,11 @@ class AioInbound(asyncio.BufferedProtocol):
         return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        global _reads
         if self._gate is not None:
             self._open(nbytes)
             return
+        _reads += 1
         try:
             self._reader.buffer_updated(nbytes)
         except BadStream as exc:
@@ -225,10 +232,13 @@ class AioInbound(asyncio.BufferedProtocol):
 class AioConn(asyncio.Protocol):
     """The connection of an :class:`AioLink`, once its handshake answer is known.
 
-    Writes are batched per turn of the event loop: the turn's first frame goes to the
-    kernel at once; small frames after it (every part ``bytes``, so nobody can change
+    Writes are batched per turn of the event loop. A frame goes to the kernel at once
+    when something was read since this connection's last frame written at once: a
+    reply to what came in, the next call after a reply. A frame after that one in the
+    same turn starts a batch: small frames (every part ``bytes``, so nobody can change
     them meanwhile) wait in :attr:`_batch` and go together at the end of the turn, in
-    one ``writev``. A larger frame first sends what waits, keeping the order.
+    one ``writev``. A larger frame first sends what waits, keeping the order. (With the
+    C extension, :class:`FastConn` writes the small frames.)
     """
 
     def __init__(self, link: AioLink, hello: bytes) -> None:
@@ -236,11 +246,13 @@ class AioConn(asyncio.Protocol):
         self._loop = link._loop
         self._hello = hello
         self.transport: asyncio.Transport | None = None
-        self._fd = -1
+        self.fd = -1
         self.paused = False
-        #: frames waiting for the end of this turn (None: none written this turn yet)
+        #: frames waiting for the end of this turn (None: no batch this turn)
         self._batch: list[Buf] | None = None
         self._batch_bytes = 0
+        #: :data:`_reads` at this connection's last frame written at once
+        self._turn = -1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)
@@ -248,7 +260,7 @@ class AioConn(asyncio.Protocol):
         if link.closed:
             transport.abort()
             return
-        self._fd = transport.get_extra_info("socket").fileno()
+        self.fd = transport.get_extra_info("socket").fileno()
         transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
         # The answer goes first, then the frames queued while connecting, before
         # anyone can write more.
@@ -261,7 +273,7 @@ class AioConn(asyncio.Protocol):
         self._batch = None
         link = self._link
         if link.conn is self:
-            link.conn = None
+            link.conn = link.fast = None
         link.fail(f"the connection broke ({exc})" if exc else "the peer closed the connection")
 
     def pause_writing(self) -> None:
@@ -280,6 +292,13 @@ class AioConn(asyncio.Protocol):
     def write(self, bufs: list[Buf], total: int) -> bool:
         """Write one frame; False (nothing of it written) if the connection broke."""
         batch = self._batch
+        if batch is None and self._link.batching:
+            if self._turn != _reads:  # something was read since: this one goes now
+                self._turn = _reads
+                return self._writev(bufs, total)
+            batch = self._batch = []
+            self._batch_bytes = 0
+            self._loop.call_soon(self._end_turn)  # once the loop ran what is ready now
         if batch is not None:
             if total <= BATCH_FRAME:
                 for b in bufs:
@@ -291,10 +310,6 @@ class AioConn(asyncio.Protocol):
                     return self._batch_bytes < BATCH_BYTES or self.flush()
             if batch and not self.flush():  # what waits goes first
                 return False
-        elif self._link.batching:
-            self._batch = []
-            self._batch_bytes = 0
-            self._loop.call_soon(self._end_turn)  # once the loop ran what is ready now
         return self._writev(bufs, total)
 
     def _end_turn(self) -> None:
@@ -324,7 +339,7 @@ class AioConn(asyncio.Protocol):
             return True
         # Nothing is buffered: hand the frames to the kernel now, in one system call.
         try:
-            n = os.writev(self._fd, bufs if len(bufs) <= IOV_MAX else bufs[:IOV_MAX])
+            n = os.writev(self.fd, bufs if len(bufs) <= IOV_MAX else bufs[:IOV_MAX])
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError:
@@ -335,13 +350,60 @@ class AioConn(asyncio.Protocol):
         return True
 
 
+def _fast_conn() -> type[AioConn] | None:
+    """:class:`AioConn` whose small frames the C extension writes (None where it is
+    not built): :meth:`StreamTransport.try_send` hands a frame straight to its
+    :meth:`~amesh._ext.FrameWriter.send`, which writes it or batches it as
+    :meth:`AioConn.write` would, with no Python code of ours in between. A frame it
+    does not take (a large one, one in parts) goes by :meth:`write`."""
+    try:
+        from .._ext import FrameWriter
+    except ImportError:
+        return None
+
+    class FastConn(FrameWriter, AioConn):
+        def __init__(self, link: AioLink, hello: bytes) -> None:
+            assert link.small is not None  # (made only where it is set)
+            FrameWriter.__init__(self, link.small, BATCH_BYTES)
+            AioConn.__init__(self, link, hello)
+            self.batching = link.batching
+            self.call_soon = self._loop.call_soon
+            self.end_turn = self._end_turn
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            link = self._link
+            if link.conn is self:
+                link.fast = self
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            self.drop()
+            super().connection_lost(exc)
+
+        def write(self, bufs: list[Buf], total: int) -> bool:
+            if self.batched and not self.flush():  # what waits goes first
+                return False
+            return self._writev(bufs, total)
+
+        def _end_turn(self) -> None:
+            if not self.finish_turn():
+                self._link.fail("the connection broke")
+
+    return FastConn
+
+
+_FastConn = _fast_conn()
+
+
 class Waiters:
     """What both kinds of link share: senders waiting for room, and their turn."""
 
-    __slots__ = ("_space", "closed", "lock", "waiters")
+    __slots__ = ("_space", "closed", "fast", "lock", "waiters")
 
     def __init__(self) -> None:
         self.closed = False
+        #: the live connection's C writer, where there is one (see _fast_conn)
+        self.fast: Any = None
         self.waiters = 0
         self.lock: anyio.Lock | None = None
         self._space: anyio.Event | None = None
@@ -377,6 +439,7 @@ class AioLink(Waiters):
         "conn",
         "pending",
         "pending_bytes",
+        "small",
     )
 
     def __init__(
@@ -388,11 +451,14 @@ class AioLink(Waiters):
         own: str,
         on_lost: LostCallback,
         batching: bool = True,
+        small: int | None = None,
     ) -> None:
         super().__init__()
         self._loop = loop
         #: whether its connection batches writes per turn of the loop (see AioConn)
         self.batching = batching
+        #: frames up to this size go by the C extension's writer (None: none do)
+        self.small = small
         self.addr = addr
         self._family = family
         self._sockaddr = sockaddr
@@ -459,7 +525,8 @@ class AioLink(Waiters):
                     async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                         await loop.sock_connect(sock, self._sockaddr)
                         challenge = await _aio_challenge(loop, sock)
-                    factory = partial(AioConn, self, answer(challenge, self.addr, self._own))
+                    kind = AioConn if self.small is None or _FastConn is None else _FastConn
+                    factory = partial(kind, self, answer(challenge, self.addr, self._own))
                     if self._family == socket.AF_UNIX:
                         await loop.create_unix_connection(factory, sock=sock)
                     else:
@@ -508,7 +575,7 @@ class AioLink(Waiters):
             connector = self._connector
             if connector is not None and connector is not asyncio.current_task(self._loop):
                 connector.cancel()
-            conn, self.conn = self.conn, None
+            conn, self.conn, self.fast = self.conn, None, None
             if conn is not None and conn.transport is not None:
                 if drop:
                     conn.transport.abort()
