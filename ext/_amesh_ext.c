@@ -129,6 +129,10 @@ typedef int32_t nng_duration;
 #define NNG_EAGAIN 8
 #define NNG_ECLOSED 7
 
+/* How many times this process took in messages: a FrameReader's reads and a
+ * Receiver's drains (see FrameWriter.send). */
+static unsigned long long intakes;
+
 typedef struct {
     int (*aio_alloc)(nng_aio **, void (*)(void *), void *);
     void (*aio_free)(nng_aio *);
@@ -545,6 +549,7 @@ Receiver_drain(Receiver *self, PyObject *arg)
     }
     nng_msg *chunk[DRAIN_CHUNK];
     int result = 0;
+    intakes++;
     for (;;) {
         size_t want = (size_t)(max - PyList_GET_SIZE(out));
         if (want > DRAIN_CHUNK) {
@@ -1501,8 +1506,6 @@ done:
 #define FR_SMALL (16 * 1024)
 #define FR_HLEN 4
 
-/* How many reads FrameReaders took in this process (see FrameWriter.send). */
-static unsigned long long fr_reads;
 
 typedef struct {
     PyObject_HEAD
@@ -1675,7 +1678,7 @@ FrameReader_buffer_updated(FrameReader *self, PyObject *arg)
     if (self->stopped || self->buf == NULL) {
         Py_RETURN_NONE;
     }
-    fr_reads++;
+    intakes++;
     if (self->big != NULL) {
         if (n < 0 || n > self->big_len - self->filled) {
             PyErr_Format(PyExc_ValueError, "%zd bytes read into %zd left", n,
@@ -1834,9 +1837,10 @@ static PyType_Spec FrameReader_spec = {
  * takes a frame of up to small bytes (a bytes object) and puts its 4-byte length in
  * front:
  *
- * - written at once, with one writev(), when a FrameReader of this process read
- *   something since this connection's last frame written at once (a reply to what
- *   came in, a call after a reply), so that the peer can start on it;
+ * - written at once, with one writev(), when this process took in messages since
+ *   this connection's last frame written at once (a FrameReader's read, a Receiver's
+ *   drain: a reply to what came in, a call after a reply), so that the peer can
+ *   start on it;
  * - else copied into a batch, which goes in one write() at the end of the loop's
  *   turn: the first frame batched has call_soon(end_turn) called, and end_turn
  *   calls finish_turn(). A batch of batch_bytes or more goes at once.
@@ -1859,7 +1863,7 @@ typedef struct {
     int fd;                  /* the socket's; -1: none */
     PyObject *transport, *call_soon, *end_turn;
     char paused, batching, scheduled;
-    unsigned long long turn; /* fr_reads at this connection's last frame written at once */
+    unsigned long long turn; /* intakes at this connection's last frame written at once */
     Py_ssize_t small, batch_max;
     char *batch;             /* batch_max + small + FR_HLEN bytes, once needed */
     Py_ssize_t batch_len;
@@ -1889,7 +1893,7 @@ FrameWriter_init(FrameWriter *self, PyObject *args, PyObject *kwds)
     self->batch_len = 0;
     self->paused = self->scheduled = 0;
     self->batching = 1;
-    self->turn = fr_reads - 1;
+    self->turn = intakes - 1;
     if (self->transport == NULL) {
         self->transport = Py_NewRef(Py_None);
     }
@@ -2058,7 +2062,7 @@ FrameWriter_send(FrameWriter *self, PyObject *frame)
     }
     unsigned char head[FR_HLEN] = {(unsigned char)size, (unsigned char)(size >> 8),
                                    (unsigned char)(size >> 16), (unsigned char)(size >> 24)};
-    if (self->scheduled || (self->batching && self->turn == fr_reads)) {
+    if (self->scheduled || (self->batching && self->turn == intakes)) {
         if (self->batch == NULL) {
             self->batch = PyMem_Malloc((size_t)(self->batch_max + self->small + FR_HLEN));
             if (self->batch == NULL) {
@@ -2088,7 +2092,7 @@ FrameWriter_send(FrameWriter *self, PyObject *frame)
         }
         return PyLong_FromLong(1);
     }
-    self->turn = fr_reads;
+    self->turn = intakes;
     struct iovec iov[2] = {{head, FR_HLEN}, {PyBytes_AS_STRING(frame), (size_t)size}};
     int rc = fw_writev(self, iov, 2, FR_HLEN + size);
     return rc < 0 ? NULL : PyLong_FromLong(rc ? 1 : -1);

@@ -1297,3 +1297,31 @@ def test_the_c_writer_leaves_what_it_cannot_take_untouched() -> None:
             _ext.FrameWriter(-1, 10)
     finally:
         w.close()
+
+
+def test_a_receive_through_nng_counts_as_a_read_for_the_c_writer() -> None:
+    """What came in through NNG (another host's frames, say) lets the next frame go
+    at once too: a Receiver's drain counts as a read."""
+    from amesh._transport._stream_io import _FastConn
+
+    w = Writer(_FastConn)
+    try:
+        with pynng.Pull0() as pull, pynng.Push0() as push:
+            rx = _ext.Receiver(pull.socket.id, 4)
+            rx.start()
+            addr = "inproc://amesh-test-ext-writer-turn"
+            pull.listen(addr)
+            push.dial(addr)
+            w.read_something()
+            assert w.send(b"first") and w.send(b"waits")
+            assert w.received() == [b"first"]
+            w.link._loop.end_turn()
+            assert w.received() == [b"waits"]
+            assert _ext.send(push.socket.id, b"a call")
+            assert select.select([rx.fileno()], [], [], 10)[0]
+            assert [bytes(m) for m in rx.drain(8)] == [b"a call"]
+            assert w.send(b"its reply")
+            assert w.received() == [b"its reply"] and not w.link._loop.soon
+            rx.close()
+    finally:
+        w.close()

@@ -245,8 +245,9 @@ class FrameWriter:
     :attr:`transport`, :attr:`call_soon` and :attr:`end_turn` once connected.
 
     :meth:`send` puts a frame's 4-byte length in front of it and writes both at once
-    (one ``writev``) when a :class:`FrameReader` of this process read something since
-    this connection's last frame written at once; else the frame is copied into a
+    (one ``writev``) when this process took in messages since this connection's last
+    frame written at once (a :class:`FrameReader`'s read, a :class:`Receiver`'s
+    drain); else the frame is copied into a
     batch, which goes in one write at the end of the loop's turn (the first frame
     batched calls ``call_soon(end_turn)``; ``end_turn`` calls :meth:`finish_turn`), or
     at once when it holds ``batch_bytes``. What the kernel does not take goes to
