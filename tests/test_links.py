@@ -197,3 +197,51 @@ async def test_leaving_a_mesh_while_it_restarts_a_process() -> None:
                 await c.slice(procs=1).hang.call_one()
             # the owner has seen the death (the call failed), the restart is under way
             assert procs._live().restarting == 1
+
+
+async def test_direct_requests_after_a_full_link_wait_for_it_and_go_in_order() -> None:
+    """A call's requests go to each rank at once, without a coroutine, while every
+    link takes its frame; once one is full, the rest of them wait for it, then go,
+    each to its own rank, and every one is counted as sent."""
+    from amesh import _wire
+    from amesh._codec import plain_payload
+    from amesh._runtime._calls import Calls
+    from amesh._runtime._router import Router
+
+    class Links:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, int]] = []
+            self.room = anyio.Event()
+
+        def send_soon(self, addr: str, env: Any, parts: Any) -> Any:
+            self.sent.append((addr, env.rank))
+            return self.room.wait() if addr == "full" else None
+
+        async def send(self, addr: str, env: Any, parts: Any) -> None:
+            assert type(env) is _wire.Call
+            self.sent.append((addr, env.rank))
+
+    links = Links()
+    calls = Calls(anyio.Event)
+    router = Router("me", calls, links, {})  # type: ignore[arg-type]
+    payload = plain_payload(b"args")
+    with anyio.fail_after(10):
+        pending = calls.open("actor", {0: "a", 1: "b"})
+        assert router.send_requests_soon(pending, "m", ["x"], [2], payload) is None
+        assert links.sent == [("a", 0), ("b", 1)] and calls.sent == 2
+        links.sent.clear()
+        pending = calls.open("actor", {0: "a", 1: "full", 2: "b", 3: "c"})
+        waiting = router.send_requests_soon(pending, "m", ["x"], [4], payload)
+        assert waiting is not None
+        assert links.sent == [("a", 0), ("full", 1)] and calls.sent == 3
+
+        async def rest() -> None:
+            await waiting
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rest)
+            await anyio.wait_all_tasks_blocked()
+            assert links.sent == [("a", 0), ("full", 1)]  # the rest wait for room
+            links.room.set()
+        assert links.sent == [("a", 0), ("full", 1), ("b", 2), ("c", 3)]
+        assert calls.sent == 6

@@ -89,8 +89,10 @@ class ActorMesh(MeshView, Generic[A]):
 
     def _targets(self) -> dict[int, str]:
         """Rank -> the address of its process now (a restart changes it)."""
-        procs = self._procs
-        return {rank: procs[slot] for rank, slot in enumerate(self._shape.slots)}
+        procs, slots = self._procs, self._shape.slots
+        if len(slots) == 1:  # (every call_one: no comprehension to run)
+            return {0: procs[slots[0]]}
+        return {rank: procs[slot] for rank, slot in enumerate(slots)}
 
     def _wire_shape(self) -> tuple[list[str], list[int]]:
         """``(labels, sizes)`` of this view, as calls carry them (made once)."""

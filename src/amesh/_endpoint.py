@@ -356,9 +356,11 @@ class MeshEndpoint(Generic[P, R]):
         done = False
         try:
             labels, sizes = self._mesh._wire_shape()
-            await rt.send_requests(
+            waiting = rt.send_requests_soon(
                 pending, self._desc.name, labels, sizes, payload, self._mesh._tree()
             )
+            if waiting is not None:
+                await waiting
             for _ in range(len(targets)):
                 rank, ok, value = await self._next(pending, deadline)
                 if not ok:
@@ -398,7 +400,11 @@ class MeshEndpoint(Generic[P, R]):
         pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
         done = False
         try:
-            await rt.send_requests(pending, self._desc.name, labels, sizes, payload, mesh._tree())
+            waiting = rt.send_requests_soon(
+                pending, self._desc.name, labels, sizes, payload, mesh._tree()
+            )
+            if waiting is not None:  # (a full link, a tree: most calls go at once)
+                await waiting
             loads = _codec.loads
             for _ in range(len(targets)):
                 if deadline is _NO_DEADLINE:
@@ -436,7 +442,11 @@ class MeshEndpoint(Generic[P, R]):
         pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
         done = False
         try:
-            await rt.send_requests(pending, self._desc.name, labels, sizes, payload, mesh._tree())
+            waiting = rt.send_requests_soon(
+                pending, self._desc.name, labels, sizes, payload, mesh._tree()
+            )
+            if waiting is not None:  # (a full link, a tree: most calls go at once)
+                await waiting
             if timeout is None:
                 rank, ok, value = await pending.next()
             else:

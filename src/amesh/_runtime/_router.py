@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
+
+import msgspec
 
 from .. import _wire
 from .._codec import Payload
@@ -94,7 +96,7 @@ class Router:
             pending.relays, pending.via = route.relays, route.via
         return route.heads
 
-    async def send_requests(
+    def send_requests_soon(
         self,
         pending: Pending,
         method: str,
@@ -102,9 +104,13 @@ class Router:
         sizes: list[int],
         payload: Payloads,
         tree: Tree | None = None,
-    ) -> None:
+    ) -> Awaitable[None] | None:
         """Send the call of ``pending`` to each of its target ranks, down ``tree`` (a
-        scattered call, with a payload per rank, as one request per rank)."""
+        scattered call, with a payload per rank, as one request per rank).
+
+        Returns None once every request is handed over, without a coroutine (the
+        common case: each rank directly, each link taking its frame at once), else
+        what to await until the rest are."""
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
         if self._dead and any(a in self._dead for a in pending.targets.values()):
@@ -117,29 +123,52 @@ class Router:
                 else:
                     del pending.targets[rank]
                     self._calls.dec_inflight(addr, pending.actor)
-            return
+            return None
         if not isinstance(payload, Payload):
-            await self._send_each(pending, method, labels, sizes, payload, chain, tree)
-            return
+            return self._send_each(pending, method, labels, sizes, payload, chain, tree)
         data, lengths, parts = _wire.pack(payload.data, payload.buffers)
         call_id = pending.call_id
         me = self.address
-        if tree is None:  # each rank directly (a call_one, a small mesh)
-            for rank, addr in list(pending.targets.items()):
-                call = _wire.Call(
-                    me, call_id, rank, pending.actor, method, labels, sizes, data, chain,
-                    lengths, me, call_id,
-                )  # fmt: skip
-                waiting = self._links.send_soon(addr, call, parts)
-                if waiting is not None:
-                    await waiting
-                self._calls.sent += 1
-            return
-        req = _wire.Relay(
-            me, call_id, -1, pending.actor, method, labels, sizes, data, chain,
-            lengths, me, call_id, [],
-        )  # fmt: skip
-        for addr, rank, nodes in self._heads(pending.targets, tree, pending):
+        if tree is not None:
+            req = _wire.Relay(
+                me, call_id, -1, pending.actor, method, labels, sizes, data, chain,
+                lengths, me, call_id, [],
+            )  # fmt: skip
+            return self._send_down(req, parts, self._heads(pending.targets, tree, pending))
+        # each rank directly (a call_one, a small mesh)
+        # (a copy: ranks that answer while we wait for room leave pending.targets)
+        ranks = list(pending.targets.items())
+        for i, (rank, addr) in enumerate(ranks):
+            call = _wire.Call(
+                me, call_id, rank, pending.actor, method, labels, sizes, data, chain,
+                lengths, me, call_id,
+            )  # fmt: skip
+            waiting = self._links.send_soon(addr, call, parts)
+            if waiting is not None:
+                return self._send_rest(waiting, ranks[i + 1 :], call, parts)
+            self._calls.sent += 1
+        return None
+
+    async def _send_rest(
+        self,
+        waiting: Awaitable[None],
+        ranks: list[tuple[int, str]],
+        call: _wire.Call,
+        parts: list[Any],
+    ) -> None:
+        """The rest of :meth:`send_requests_soon`'s direct requests, once ``waiting``
+        (a full link's) is done: ``call`` readdressed to each of ``ranks``."""
+        await waiting
+        self._calls.sent += 1
+        for rank, addr in ranks:
+            await self._links.send(addr, msgspec.structs.replace(call, rank=rank), parts)
+            self._calls.sent += 1
+
+    async def _send_down(
+        self, req: _wire.Relay, parts: list[Any], heads: list[tuple[str, int, Nodes]]
+    ) -> None:
+        """Send ``req`` to each head of its relay tree, with the subtree it relays to."""
+        for addr, rank, nodes in heads:
             await self._links.send(addr, _wire.addressed(req, rank, nodes), parts)
             self._calls.sent += 1
 

@@ -28,7 +28,7 @@ import math
 import os
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -260,7 +260,7 @@ class Runtime:
                 if addr not in self.dead:
                     self.links.send_nowait(addr, _wire.Cancel(self.address, request_id))
 
-    async def send_requests(
+    def send_requests_soon(
         self,
         pending: Pending,
         method: str,
@@ -268,9 +268,11 @@ class Runtime:
         sizes: list[int],
         payload: Payloads,
         tree: Tree | None = None,
-    ) -> None:
+    ) -> Awaitable[None] | None:
         """Send the call of ``pending`` to each of its target ranks (down ``tree``; one
-        payload per rank goes to each rank directly, see :meth:`Router.send_requests`)."""
+        payload per rank goes to each rank directly): None once every request is handed
+        over, else what to await until the rest are (see
+        :meth:`Router.send_requests_soon`)."""
         if isinstance(payload, Payload):
             if payload.segments:
                 pending.payload = payload  # released when the call closes
@@ -278,7 +280,7 @@ class Runtime:
             segments = [s for p in payload.values() for s in p.segments]
             if segments:
                 pending.payload = Payload(b"", (), segments)  # every rank's, for release
-        await self.router.send_requests(pending, method, labels, sizes, payload, tree)
+        return self.router.send_requests_soon(pending, method, labels, sizes, payload, tree)
 
     async def send_casts(
         self,
