@@ -245,3 +245,23 @@ async def test_direct_requests_after_a_full_link_wait_for_it_and_go_in_order() -
             links.room.set()
         assert links.sent == [("a", 0), ("full", 1), ("b", 2), ("c", 3)]
         assert calls.sent == 6
+
+
+def test_a_request_is_remembered_for_half_the_window_at_least_and_the_whole_at_most() -> None:
+    """Dedup: a (sender, id) seen in the last ``_RECENT // 2`` requests is dropped as a
+    duplicate, one ``_RECENT`` requests old is forgotten; senders do not collide."""
+    from amesh._runtime import _dispatch
+    from amesh._runtime._dispatch import Dispatch
+
+    d = Dispatch(None, lambda *a: None)  # type: ignore[arg-type]
+    half = _dispatch._RECENT // 2
+    assert not d.is_duplicate("a", 1) and not d.is_duplicate("b", 1)  # its own ids
+    assert d.is_duplicate("a", 1) and d.seen("b", 1) and not d.seen("b", 2)
+    for i in range(2, half + 1):  # a new generation starts at the half
+        assert not d.is_duplicate("b", i)
+    assert d.is_duplicate("a", 1) and d.is_duplicate("b", half)  # in the older one
+    assert d.duplicates == 3
+    for i in range(half + 1, 2 * half + 1):
+        assert not d.is_duplicate("b", i)
+    assert not d.seen("a", 1) and not d.is_duplicate("a", 1)  # forgotten: runs again
+    assert d.is_duplicate("b", 2 * half)

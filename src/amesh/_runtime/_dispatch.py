@@ -23,7 +23,8 @@ log = logging.getLogger("amesh.runtime")
 #: a peer may send calls that are refused by the thousand: one line per interval
 _refusals = RateLimitedLog(log)
 
-#: How many recent requests are remembered to drop duplicates.
+#: How many recent requests are remembered to drop duplicates: the last half of this
+#: at least, all of it at most.
 _RECENT = 65536
 #: How many stopped actors are remembered, to say why a request finds none.
 _GONE = 1024
@@ -44,19 +45,40 @@ class Dispatch:
         #: requests sitting in a mailbox, and those of them cancelled before they ran
         self.queued: set[tuple[str, int]] = set()
         self.cancelled: set[tuple[str, int]] = set()
-        #: (sender, call id) of recent requests, to drop duplicated frames
-        self._recent: OrderedDict[tuple[str, int], None] = OrderedDict()
+        #: call ids of recent requests by sender, to drop duplicated frames: the
+        #: newer generation, and the one before it. Ids count up, so each set's keys
+        #: lie close together in memory, and forgetting is dropping a generation,
+        #: not a request at a time.
+        self._recent: dict[str, set[int]] = {}
+        self._older: dict[str, set[int]] = {}
+        self._recent_count = 0
         self.duplicates = 0
 
+    def seen(self, sender: str, call_id: int) -> bool:
+        """Whether request ``call_id`` of ``sender`` came recently."""
+        ids = self._recent.get(sender)
+        if ids is not None and call_id in ids:
+            return True
+        ids = self._older.get(sender)
+        return ids is not None and call_id in ids
+
     def is_duplicate(self, sender: str, call_id: int) -> bool:
-        """True if this request was seen already (at most once: it runs nothing)."""
-        key = (sender, call_id)
-        if key in self._recent:
+        """True if this request was seen already (at most once: it runs nothing);
+        else remember it."""
+        recent = self._recent.get(sender)
+        if recent is None:
+            recent = self._recent[sender] = set()
+        elif call_id in recent:
             self.duplicates += 1
             return True
-        self._recent[key] = None
-        if len(self._recent) > _RECENT:
-            self._recent.popitem(last=False)
+        older = self._older.get(sender)
+        if older is not None and call_id in older:
+            self.duplicates += 1
+            return True
+        recent.add(call_id)
+        self._recent_count += 1
+        if self._recent_count >= _RECENT // 2:  # a new generation; the oldest goes
+            self._older, self._recent, self._recent_count = self._recent, {}, 0
         return False
 
     def accept(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
@@ -109,7 +131,7 @@ class Dispatch:
             scope.cancel()
         elif key in self.queued:
             self.cancelled.add(key)
-        elif not relayed and key not in self._recent:
+        elif not relayed and not self.seen(*key):
             # The cancel overtook the request (it came down the relay tree): the
             # request, when it comes, is dropped like a duplicate.
             self.is_duplicate(*key)
