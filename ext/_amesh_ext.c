@@ -1506,7 +1506,6 @@ done:
 #define FR_SMALL (16 * 1024)
 #define FR_HLEN 4
 
-
 typedef struct {
     PyObject_HEAD
     char *buf;                /* FR_CHUNK bytes */
@@ -1938,6 +1937,10 @@ FrameWriter_dealloc(FrameWriter *self)
 static Py_ssize_t
 fw_ask(FrameWriter *self, PyObject *name)
 {
+    if (self->transport == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "FrameWriter: no transport");
+        return -1;
+    }
     PyObject *tr = Py_NewRef(self->transport);
     PyObject *r = PyObject_CallMethodNoArgs(tr, name);
     Py_DECREF(tr);
@@ -1972,6 +1975,10 @@ fw_open(FrameWriter *self)
 static int
 fw_call(FrameWriter *self, PyObject *method, PyObject *arg)
 {
+    if (self->transport == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "FrameWriter: no transport");
+        return -1;
+    }
     PyObject *tr = Py_NewRef(self->transport);
     PyObject *r = arg == NULL ? PyObject_CallMethodNoArgs(tr, method)
                               : PyObject_CallMethodOneArg(tr, method, arg);
@@ -2036,14 +2043,23 @@ fw_flush(FrameWriter *self)
     if (self->batch_len == 0) {
         return 1;
     }
+    /* The batch is ours while we write it (the transport's methods are Python: a
+     * send() they led to would start a batch of its own, to go after this one). */
+    char *batch = self->batch;
     Py_ssize_t len = self->batch_len;
+    self->batch = NULL;
     self->batch_len = 0;
-    int open = fw_open(self);
-    if (open <= 0) { /* aborted meanwhile: its fd may be reused */
-        return open;
+    int rc = fw_open(self); /* closed meanwhile: its fd may be reused, write nothing */
+    if (rc > 0) {
+        struct iovec iov = {batch, (size_t)len};
+        rc = fw_writev(self, &iov, 1, len);
     }
-    struct iovec iov = {self->batch, (size_t)len};
-    return fw_writev(self, &iov, 1, len);
+    if (self->batch == NULL) {
+        self->batch = batch;
+    } else {
+        PyMem_Free(batch);
+    }
+    return rc;
 }
 
 static PyObject *
