@@ -1786,7 +1786,20 @@ done:
     return result;
 }
 
+static PyObject *
+FrameReader_stop(FrameReader *self, PyObject *Py_UNUSED(ignored))
+{
+    self->stopped = 1;
+    Py_CLEAR(self->big); /* a large frame's memory goes now, not when we are collected */
+    self->big_len = self->filled = 0;
+    self->start = self->end = 0;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef FrameReader_methods[] = {
+    {"stop", (PyCFunction)FrameReader_stop, METH_NOARGS,
+     "stop(): the connection is gone: emit no more frames, and let go of the memory\n"
+     "of a large frame being read."},
     {"get_buffer", (PyCFunction)(void (*)(void))FrameReader_get_buffer, METH_FASTCALL,
      "get_buffer(sizehint=-1): where the next read goes (a writable memoryview)."},
     {"buffer_updated", (PyCFunction)FrameReader_buffer_updated, METH_O,

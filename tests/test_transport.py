@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import array
+import gc
 import math
 import os
 import select
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -1325,3 +1328,40 @@ def test_a_receive_through_nng_counts_as_a_read_for_the_c_writer() -> None:
             rx.close()
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_a_stopped_reader_lets_go_of_a_large_frames_memory_at_once(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection lost in the middle of a large frame gives its memory back then,
+    not when the garbage collector gets to the reader (a peer that announced 2 GiB
+    and left would hold them)."""
+    made: list[weakref.ref[array.array[int]]] = []
+
+    def memory(size: int) -> memoryview:
+        arr = array.array("B", bytes(size))
+        made.append(weakref.ref(arr))
+        return memoryview(arr)
+
+    frames: list[Any] = []
+    reader: Any
+    if kind == "c":
+        reader = _ext.FrameReader(1 << 20, frames.append, memory, wire.BadStream)
+    else:
+        monkeypatch.setattr(wire, "_frame_memory", memory)
+        reader = wire.Reader(1 << 20, frames.append)
+    data = wire.HEADER.pack(100_000) + b"x" * 10
+    gc.disable()  # what goes, goes by its reference count
+    try:
+        buf = reader.get_buffer(-1) if kind == "c" else reader.get_buffer()
+        buf[: len(data)] = data
+        del buf
+        reader.buffer_updated(len(data))
+        assert len(made) == 1 and made[0]() is not None and frames == []
+        reader.stop()
+        assert made[0]() is None and reader.stopped
+        reader.buffer_updated(0)  # (a late read emits nothing)
+        assert frames == []
+    finally:
+        gc.enable()

@@ -228,6 +228,10 @@ class FrameReader:
         bad_stream: type[Exception],
         fail: Callable[[str], object] | None = None,
     ) -> None: ...
+    def stop(self) -> None:
+        """The connection is gone: emit no more frames, and let go of the memory of a
+        large frame being read (now, not when this reader is collected)."""
+
     def get_buffer(self, sizehint: int = -1, /) -> memoryview:
         """Where the next read goes."""
 

@@ -200,7 +200,7 @@ class AioInbound(asyncio.BufferedProtocol):
         return None  # close our end too
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._reader.stopped = True
+        self._reader.stop()  # (a large frame's memory goes with the connection)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -224,7 +224,7 @@ class AioInbound(asyncio.BufferedProtocol):
             self._transport.resume_reading()
 
     def abort(self) -> None:
-        self._reader.stopped = True
+        self._reader.stop()
         if self._transport is not None:
             self._transport.abort()
 
@@ -931,7 +931,7 @@ class AnyioInbound:
         pass
 
     def abort(self) -> None:
-        self.reader.stopped = True
+        self.reader.stop()
         notify_closing_quietly(self.sock)
         self.sock.close()
 

@@ -209,6 +209,13 @@ class Reader:
         #: Set when the connection is gone: emit no more frames.
         self.stopped = False
 
+    def stop(self) -> None:
+        """The connection is gone: emit no more frames, and let go of the memory of a
+        large frame being read (now, not when this reader is collected)."""
+        self.stopped = True
+        self._big = None
+        self._filled = self._start = self._end = 0
+
     def get_buffer(self) -> memoryview:
         if self._big is not None:
             return self._big[self._filled :]
