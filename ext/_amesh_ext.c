@@ -2146,6 +2146,15 @@ static PyObject *
 FrameWriter_drop(FrameWriter *self, PyObject *Py_UNUSED(ignored))
 {
     self->batch_len = 0;
+    if (self->batch != NULL) {
+        PyMem_Free(self->batch);
+        self->batch = NULL;
+    }
+    self->fd = -1;
+    self->scheduled = 0;
+    Py_CLEAR(self->call_soon);
+    Py_CLEAR(self->end_turn); /* (a bound method of ours: a cycle) */
+    Py_XSETREF(self->transport, Py_NewRef(Py_None));
     Py_RETURN_NONE;
 }
 
@@ -2165,7 +2174,8 @@ static PyMethodDef FrameWriter_methods[] = {
     {"finish_turn", (PyCFunction)FrameWriter_finish_turn, METH_NOARGS,
      "finish_turn() -> bool: the loop's turn is over (end_turn runs): flush()."},
     {"drop", (PyCFunction)FrameWriter_drop, METH_NOARGS,
-     "drop(): forget what is batched (the connection is gone)."},
+     "drop(): the connection is gone: forget what is batched and let go of the\n"
+     "batch's memory, the transport and the loop's hooks; send() takes nothing more."},
     {NULL, NULL, 0, NULL},
 };
 

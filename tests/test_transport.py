@@ -1365,3 +1365,32 @@ def test_a_stopped_reader_lets_go_of_a_large_frames_memory_at_once(
         assert frames == []
     finally:
         gc.enable()
+
+
+def test_a_lost_connections_c_writer_lets_go_of_everything() -> None:
+    """Once its connection is lost, the C writer holds no batch memory and no
+    reference back to itself: it goes with its last reference, collector or not."""
+    from amesh._transport._stream_io import _FastConn
+
+    w = Writer(_FastConn)
+    try:
+        w.read_something()
+        assert w.send(b"first") and w.send(b"batched")
+        assert w.conn.batched > 0 and w.conn.end_turn is not None
+        conn = weakref.ref(w.conn)
+        gc.disable()
+        try:
+            w.conn.connection_lost(None)
+            assert w.link.conn is None and w.link.fast is None
+            assert w.link.failed == ["the peer closed the connection"]
+            assert w.conn.batched == 0 and w.conn.fd == -1 and w.conn.end_turn is None
+            assert w.conn.send(b"after") == 0
+            w.link._loop.end_turn()  # the turn's end still comes, finding nothing
+            del w.conn
+            assert conn() is None
+        finally:
+            gc.enable()
+        assert w.received() == [b"first"]
+    finally:
+        w.sock.close()
+        w.peer.close()

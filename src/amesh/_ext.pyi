@@ -289,7 +289,8 @@ class FrameWriter:
         """The loop's turn is over (``end_turn`` runs): :meth:`flush`."""
 
     def drop(self) -> None:
-        """Forget what is batched (the connection is gone)."""
+        """The connection is gone: forget what is batched, and let go of the batch's
+        memory, the transport and the loop's hooks; :meth:`send` takes nothing more."""
 
     @property
     def batched(self) -> int:
