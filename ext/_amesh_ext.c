@@ -1657,6 +1657,9 @@ FrameReader_bad(FrameReader *self, PyObject *message)
 static int
 FrameReader_emit(FrameReader *self, PyObject *frame)
 {
+    if (self->emit == NULL) { /* stopped */
+        return 0;
+    }
     PyObject *emit = Py_NewRef(self->emit); /* (emit may replace it meanwhile) */
     PyObject *r = PyObject_CallOneArg(emit, frame);
     Py_DECREF(emit);
@@ -1793,13 +1796,16 @@ FrameReader_stop(FrameReader *self, PyObject *Py_UNUSED(ignored))
     Py_CLEAR(self->big); /* a large frame's memory goes now, not when we are collected */
     self->big_len = self->filled = 0;
     self->start = self->end = 0;
+    /* and the callbacks, which lead back to the connection: no cycle is left */
+    Py_CLEAR(self->emit);
+    Py_CLEAR(self->fail);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef FrameReader_methods[] = {
     {"stop", (PyCFunction)FrameReader_stop, METH_NOARGS,
      "stop(): the connection is gone: emit no more frames, and let go of the memory\n"
-     "of a large frame being read."},
+     "of a large frame being read and of the callbacks."},
     {"get_buffer", (PyCFunction)(void (*)(void))FrameReader_get_buffer, METH_FASTCALL,
      "get_buffer(sizehint=-1): where the next read goes (a writable memoryview)."},
     {"buffer_updated", (PyCFunction)FrameReader_buffer_updated, METH_O,

@@ -1394,3 +1394,35 @@ def test_a_lost_connections_c_writer_lets_go_of_everything() -> None:
     finally:
         w.sock.close()
         w.peer.close()
+
+
+@pytest.mark.parametrize("cls", [StreamTransport, PyStreamTransport], ids=["c", "python"])
+def test_a_lost_inbound_connection_goes_with_its_last_reference(cls: Any) -> None:
+    """A lost inbound connection leaves no reference cycle (its reader's callbacks,
+    the C reader's way back to it): it goes, with its 64 KiB buffer, as soon as
+    nothing refers to it, collector or not."""
+    import asyncio
+
+    from amesh._transport._stream_io import AioInbound
+
+    async def main() -> None:
+        owner = cls("abstract")
+        ours, theirs = socket.socketpair()
+        gc.disable()
+        try:
+            conn = AioInbound(owner)
+            transport = FakeTransport(ours)
+            conn.connection_made(transport)
+            assert conn in owner._inbound and transport.buffer  # the challenge went out
+            ref = weakref.ref(conn)
+            conn.connection_lost(None)
+            assert conn not in owner._inbound
+            del conn
+            assert ref() is None
+        finally:
+            gc.enable()
+            owner.close()
+            ours.close()
+            theirs.close()
+
+    asyncio.run(main())

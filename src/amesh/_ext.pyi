@@ -230,7 +230,8 @@ class FrameReader:
     ) -> None: ...
     def stop(self) -> None:
         """The connection is gone: emit no more frames, and let go of the memory of a
-        large frame being read (now, not when this reader is collected)."""
+        large frame being read and of ``emit`` and ``fail`` (which lead back to the
+        connection), now, not when this reader is collected."""
 
     def get_buffer(self, sizehint: int = -1, /) -> memoryview:
         """Where the next read goes."""

@@ -83,8 +83,9 @@ def _frames_protocol() -> type[Any] | None:
         conn: AioInbound | None = None
 
         def connection_lost(self, exc: BaseException | None) -> None:
-            if self.conn is not None:
-                self.conn.connection_lost(exc)
+            conn, self.conn = self.conn, None  # (no cycle left behind)
+            if conn is not None:
+                conn.connection_lost(exc)
 
     return InboundFrames
 
@@ -200,7 +201,11 @@ class AioInbound(asyncio.BufferedProtocol):
         return None  # close our end too
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._reader.stop()  # (a large frame's memory goes with the connection)
+        # A large frame's memory goes with the connection, and no cycle is left: the
+        # connection goes with its last reference, not with the collector.
+        self._reader.stop()
+        if self._frames is not None:
+            self._frames.conn = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

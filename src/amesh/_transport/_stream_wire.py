@@ -211,10 +211,12 @@ class Reader:
 
     def stop(self) -> None:
         """The connection is gone: emit no more frames, and let go of the memory of a
-        large frame being read (now, not when this reader is collected)."""
+        large frame being read and of ``emit`` (which leads back to the connection), now,
+        not when this reader is collected."""
         self.stopped = True
         self._big = None
         self._filled = self._start = self._end = 0
+        self._emit = _dropped
 
     def get_buffer(self) -> memoryview:
         if self._big is not None:
@@ -260,6 +262,10 @@ class Reader:
             rest = bytes(view[pos:end])
             view[: len(rest)] = rest
             self._start, self._end = 0, len(rest)
+
+
+def _dropped(frame: Buf) -> None:
+    """What a stopped :class:`Reader` emits to (nothing reaches it)."""
 
 
 #: A reader of either kind: :class:`Reader`, or its C twin (see :func:`c_reader`).
