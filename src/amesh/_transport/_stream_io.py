@@ -83,9 +83,8 @@ def _frames_protocol() -> type[Any] | None:
         conn: AioInbound | None = None
 
         def connection_lost(self, exc: BaseException | None) -> None:
-            conn, self.conn = self.conn, None  # (no cycle left behind)
-            if conn is not None:
-                conn.connection_lost(exc)
+            if self.conn is not None:  # (which lets go of this object)
+                self.conn.connection_lost(exc)
 
     return InboundFrames
 
