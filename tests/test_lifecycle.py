@@ -92,6 +92,45 @@ def test_a_worker_watch_ends_the_process_when_its_pipe_closes() -> None:
             proc.stdout.close()
 
 
+def test_a_worker_dies_with_the_thread_that_forked_it() -> None:
+    # amesh._ext.set_parent_death_signal: the kernel's half of a worker's watch of its
+    # parent (prctl PR_SET_PDEATHSIG, without ctypes). A middle process starts a child
+    # that asks for SIGKILL at its parent's death, then exits when its stdin closes.
+    child = (
+        "import signal, threading; from amesh import _ext; "
+        "_ext.set_parent_death_signal(signal.SIGKILL); print('set', flush=True); "
+        "threading.Event().wait()"
+    )
+    middle = (
+        "import subprocess, sys; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, "
+        "text=True); "
+        "assert p.stdout.readline() == 'set\\n'; print(p.pid, flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", middle], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    pid = 0
+    try:
+        pid = int(proc.stdout.readline())
+        assert not wait_pid_gone(pid, 0)  # its parent lives: so does it
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+        assert wait_pid_gone(pid, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        if pid and not wait_pid_gone(pid, 0):
+            os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ValueError, match="not a signal number"):
+        from amesh import _ext
+
+        _ext.set_parent_death_signal(-1)
+
+
 async def test_init_failure_raises_with_remote_traceback_and_leaves_nothing() -> None:
     with anyio.fail_after(60):
         with pytest.raises(SupervisionError, match=r"BadInit\.__init__ failed") as info:

@@ -23,6 +23,15 @@ def exit_when_closed(fd: int, /) -> None:
         OSError: the thread could not be started.
     """
 
+def set_parent_death_signal(sig: int, /) -> None:
+    """Have the kernel send this process ``sig`` when the thread that forked it ends
+    (``prctl(PR_SET_PDEATHSIG)``); 0 sends none.
+
+    Raises:
+        ValueError: ``sig`` is not a signal number.
+        OSError: the system call failed, or this is not Linux.
+    """
+
 class NngError(OSError):
     """An NNG error; ``errno`` is NNG's error number, ``strerror`` its text."""
 

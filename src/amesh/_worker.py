@@ -70,21 +70,24 @@ log = logging.getLogger("amesh.worker")
 
 
 def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
+    try:
+        from . import _ext
+    except ImportError:  # not built: ctypes and a Python thread do it
+        _ext = None  # type: ignore[assignment]
     # The kernel's parent-death signal fires when the *thread* that forked us exits,
     # not the process: only safe when the parent forked from a thread that lives as
     # long as it does (its event loop's thread, under asyncio). trio forks from a
     # cached worker thread that exits when idle, so there only the pipe watch is used.
     if pdeathsig and sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if _ext is not None:
+            _ext.set_parent_death_signal(signal.SIGKILL)
+        else:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before we could watch it
         os._exit(1)
-    try:
-        from ._ext import exit_when_closed
-    except ImportError:  # not built: a Python thread does it
-        pass
-    else:
-        exit_when_closed(0)
+    if _ext is not None:
+        _ext.exit_when_closed(0)
         return
 
     def watch_stdin() -> None:
