@@ -430,3 +430,22 @@ async def test_the_key_is_in_no_environment_nor_command_line(
                         data = f.read()
                     assert not any(s in data for s in spellings), (pid, what)
             assert not any(s in env_text for s in spellings)
+
+
+def test_a_proof_is_hmac_sha256_of_the_job_key() -> None:
+    """The proofs are HMAC-SHA256 (docs/architecture.md), computed with CPython's own
+    SHA-256 rather than OpenSSL's: the same bytes as the standard library's OpenSSL
+    HMAC, for every length around SHA-256's block."""
+    import hmac
+
+    key = _auth.job_key()
+    for size in (0, 1, 63, 64, 65, 200, 4096):
+        data = os.urandom(size)
+        assert _auth.mac(data) == hmac.digest(key, data, "sha256"), size
+    # and what a dialer answers is that MAC over the challenge and both addresses
+    challenge = b"AMC1" + bytes(range(32))
+    answer = _auth.answer(challenge, "stream+abstract://l", "stream+abstract://d")
+    me = b"stream+abstract://d"
+    target = b"stream+abstract://l"
+    signed = _auth._STREAM_TAG + bytes(range(32)) + struct.pack("<H", len(target)) + target + me
+    assert answer[-32:] == hmac.digest(key, signed, "sha256")

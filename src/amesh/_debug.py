@@ -68,6 +68,7 @@ from ._transport._auth import (
     Refused,
     check_peer,
     job_key,
+    mac,
 )
 from ._transport._stream_wire import StreamBeat, fresh_address, parse_address
 
@@ -168,7 +169,7 @@ class _Conn:
 
 
 def _listener_proof(nonce: bytes, address: str) -> bytes:
-    return hmac.digest(job_key(), _TAG + nonce + address.encode(), "sha256")
+    return mac(_TAG + nonce + address.encode())
 
 
 def _dial(address: str) -> _Conn:
