@@ -43,6 +43,18 @@ class Printer(Actor):
     def raw_fd(self, data: bytes) -> None:
         os.write(1, data)
 
+    @endpoint
+    def c_write(self, text: str) -> int:
+        """Write through C's stdout; returns how many bytes C's buffer still holds."""
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        stdout = ctypes.c_void_p.in_dll(libc, "stdout")
+        libc.fputs(text.encode(), stdout)
+        fpending = getattr(libc, "__fpending")  # (a name that a class would mangle)
+        fpending.restype = ctypes.c_size_t
+        return int(fpending(stdout))
+
     @endpoint(thread=True)
     def say_in_thread(self, text: str) -> None:
         print(text)

@@ -181,6 +181,28 @@ async def test_fd_level_output_is_the_process_s(capfd: pytest.CaptureFixture[str
     assert all(line.endswith("] straight to fd 1") for line in found)
 
 
+async def test_c_stdout_is_line_buffered_and_flushed_at_exit(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # Workers get PYTHONUNBUFFERED=1 unless told otherwise, which leaves C's stdout
+    # unbuffered. Where it is buffered, a worker makes it line-buffered, not fully
+    # buffered as glibc would on a pipe (holding finished lines back); and what C
+    # still holds at the exit is flushed before the pipes are read for the last time.
+    with anyio.fail_after(60):
+        async with ProcMesh(
+            per_host={"procs": 2}, name="workers", env={"PYTHONUNBUFFERED": ""}
+        ) as procs:
+            p = await procs.spawn("p", Printer)
+            held = await p.c_write.call("half a line")
+            assert held.values() == [len("half a line")] * 2  # until its end
+            held = await p.c_write.call(", ended\nand a rest")
+            assert held.values() == [len("and a rest")] * 2  # the line went
+        out = capfd.readouterr().out
+    found = lines_with("half a line, ended", out)
+    assert sorted(ranks_of(found, "workers")) == [0, 1]
+    assert sorted(ranks_of(lines_with("and a rest", out), "workers")) == [0, 1]
+
+
 async def test_output_off_shows_nothing(
     capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:

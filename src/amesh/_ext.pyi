@@ -32,6 +32,16 @@ def set_parent_death_signal(sig: int, /) -> None:
         OSError: the system call failed, or this is not Linux.
     """
 
+def line_buffer_stdout() -> None:
+    """Make C's ``stdout`` line-buffered (before anything is written to it).
+
+    Raises:
+        OSError: ``setvbuf`` refused.
+    """
+
+def flush_stdio() -> None:
+    """``fflush(NULL)``: write what C's stdio streams hold, the GIL released."""
+
 class NngError(OSError):
     """An NNG error; ``errno`` is NNG's error number, ``strerror`` its text."""
 

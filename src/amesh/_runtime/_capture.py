@@ -553,6 +553,16 @@ def _line_buffer_c_stdout() -> None:
     if sys.platform != "linux":
         return
     try:
+        from .. import _ext
+    except ImportError:  # not built: through ctypes
+        pass
+    else:
+        try:
+            _ext.line_buffer_stdout()
+        except OSError:
+            pass
+        return
+    try:
         libc = ctypes.CDLL(None)
         stdout = ctypes.c_void_p.in_dll(libc, "stdout")
         libc.setvbuf(stdout, None, _IOLBF, 0)
@@ -562,6 +572,13 @@ def _line_buffer_c_stdout() -> None:
 
 def _flush_c_stdio() -> None:
     if sys.platform != "linux":
+        return
+    try:
+        from .. import _ext
+    except ImportError:  # not built: through ctypes
+        pass
+    else:
+        _ext.flush_stdio()
         return
     try:
         ctypes.CDLL(None).fflush(None)
