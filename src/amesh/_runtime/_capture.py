@@ -553,12 +553,12 @@ def _line_buffer_c_stdout() -> None:
     if sys.platform != "linux":
         return
     try:
-        from .. import _ext
+        from .._ext import line_buffer_stdout
     except ImportError:  # not built: through ctypes
         pass
     else:
         try:
-            _ext.line_buffer_stdout()
+            line_buffer_stdout()
         except OSError:
             pass
         return
@@ -574,11 +574,11 @@ def _flush_c_stdio() -> None:
     if sys.platform != "linux":
         return
     try:
-        from .. import _ext
+        from .._ext import flush_stdio
     except ImportError:  # not built: through ctypes
         pass
     else:
-        _ext.flush_stdio()
+        flush_stdio()
         return
     try:
         ctypes.CDLL(None).fflush(None)
