@@ -2451,14 +2451,18 @@ ext_set_parent_death_signal(PyObject *module, PyObject *arg)
 
 /*
  * line_buffer_stdout(): C's stdout line-buffered (on a pipe glibc would hold lines
- * back); flush_stdio(): fflush(NULL), the GIL released (a full pipe waits for the
+ * back), in a buffer of its own: with none given, glibc keeps the one byte that an
+ * unbuffered stream (PYTHONUNBUFFERED, which workers get) has, and writes a line in
+ * pieces. flush_stdio(): fflush(NULL), the GIL released (a full pipe waits for the
  * thread that reads it, which needs the GIL). ctypes costs a fresh worker ~40 page
  * copies and ~0.2 ms for the first.
  */
+static char stdout_line[BUFSIZ];
+
 static PyObject *
 ext_line_buffer_stdout(PyObject *module, PyObject *unused)
 {
-    if (setvbuf(stdout, NULL, _IOLBF, 0) != 0) {
+    if (setvbuf(stdout, stdout_line, _IOLBF, sizeof stdout_line) != 0) {
         PyErr_SetString(PyExc_OSError, "setvbuf failed on C's stdout");
         return NULL;
     }

@@ -181,16 +181,17 @@ async def test_fd_level_output_is_the_process_s(capfd: pytest.CaptureFixture[str
     assert all(line.endswith("] straight to fd 1") for line in found)
 
 
+@pytest.mark.parametrize("unbuffered", ["1", ""])
 async def test_c_stdout_is_line_buffered_and_flushed_at_exit(
-    capfd: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str], unbuffered: str
 ) -> None:
-    # Workers get PYTHONUNBUFFERED=1 unless told otherwise, which leaves C's stdout
-    # unbuffered. Where it is buffered, a worker makes it line-buffered, not fully
-    # buffered as glibc would on a pipe (holding finished lines back); and what C
-    # still holds at the exit is flushed before the pipes are read for the last time.
+    # A worker's C stdout is line-buffered: not fully buffered, as glibc makes it on a
+    # pipe (holding finished lines back), nor unbuffered, as PYTHONUNBUFFERED (which
+    # workers get unless told otherwise) makes it (a write per call, or per byte). What
+    # C still holds at the exit is flushed before the pipes are read for the last time.
     with anyio.fail_after(60):
         async with ProcMesh(
-            per_host={"procs": 2}, name="workers", env={"PYTHONUNBUFFERED": ""}
+            per_host={"procs": 2}, name="workers", env={"PYTHONUNBUFFERED": unbuffered}
         ) as procs:
             p = await procs.spawn("p", Printer)
             held = await p.c_write.call("half a line")
@@ -201,6 +202,33 @@ async def test_c_stdout_is_line_buffered_and_flushed_at_exit(
     found = lines_with("half a line, ended", out)
     assert sorted(ranks_of(found, "workers")) == [0, 1]
     assert sorted(ranks_of(lines_with("and a rest", out), "workers")) == [0, 1]
+
+
+@pytest.mark.parametrize("ext", ["c", "ctypes"])
+def test_c_stdout_is_line_buffered_with_or_without_the_extension(ext: str) -> None:
+    # What a worker's capture does to C's stdout, in a process of its own that starts
+    # unbuffered (PYTHONUNBUFFERED), through amesh._ext or, hidden, through ctypes.
+    code = (
+        "import ctypes, sys\n"
+        + ("sys.modules['amesh._ext'] = None\n" if ext == "ctypes" else "")
+        + "from amesh._runtime import _capture\n"
+        "_capture._line_buffer_c_stdout()\n"
+        "libc = ctypes.CDLL(None)\n"
+        "out = ctypes.c_void_p.in_dll(libc, 'stdout')\n"
+        "pending = getattr(libc, '__fpending')\n"
+        "pending.restype = ctypes.c_size_t\n"
+        "libc.fputs(b'half', out)\n"
+        "held = pending(out)\n"
+        "libc.fputs(b' a line\\n', out)\n"
+        "print(held, pending(out), file=sys.stderr)\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.split() == ["4", "0"]  # held until the line ended, then written
+    assert proc.stdout == "half a line\n"
 
 
 async def test_output_off_shows_nothing(

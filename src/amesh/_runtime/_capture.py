@@ -548,8 +548,15 @@ class _Forward(logging.Handler):
             capture.log(record.levelno, record.name, text)
 
 
+#: C's stdout's buffer, where it is set through ctypes (it must outlive the stream)
+_stdout_line: Any = None
+
+
 def _line_buffer_c_stdout() -> None:
-    """Make C's ``stdout`` line-buffered: on a pipe it would hold lines back (glibc)."""
+    """Make C's ``stdout`` line-buffered: on a pipe it would hold lines back (glibc),
+    and unbuffered (``PYTHONUNBUFFERED``) it writes a line in pieces. In a buffer of
+    its own: glibc would keep the unbuffered stream's one byte."""
+    global _stdout_line
     if sys.platform != "linux":
         return
     try:
@@ -565,7 +572,9 @@ def _line_buffer_c_stdout() -> None:
     try:
         libc = ctypes.CDLL(None)
         stdout = ctypes.c_void_p.in_dll(libc, "stdout")
-        libc.setvbuf(stdout, None, _IOLBF, 0)
+        buf = ctypes.create_string_buffer(8192)
+        if libc.setvbuf(stdout, buf, _IOLBF, len(buf)) == 0:
+            _stdout_line = buf
     except (OSError, ValueError, AttributeError):
         pass
 
