@@ -12,6 +12,8 @@ settings: event-loop streams, fan-out 16):
   process tree spent per call (every thread's, from ``/proc/*/task/*/schedstat``),
   divided by the CPUs (``os.cpu_count()``), i.e. what the call would take if every CPU
   did nothing else;
+- ``worker_cpu_us``: the median worker's CPU per call (a leaf of the relay tree: one
+  call in, one reply out), the per-message CPU that the floor is mostly made of;
 - ``bcast_per_s``: broadcast deliveries per second (``--casts`` broadcasts to all N
   ranks, then a call that sees every one delivered);
 - ``pss_mib_per_worker``: PSS of the workers (``/proc/<pid>/smaps_rollup``) divided by N;
@@ -38,8 +40,8 @@ from typing import Any
 CLK = os.sysconf("SC_CLK_TCK")
 
 
-def _tree_cpu(root: int) -> float:
-    """CPU seconds of ``root`` and its live descendants, every thread of each.
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid``, every thread of it (0 once it is gone).
 
     From ``/proc/PID/task/TID/schedstat`` (the scheduler's own nanoseconds on a CPU):
     ``/proc/PID/stat``'s ``utime + stime`` comes from the timer tick and, on the VM of
@@ -47,25 +49,27 @@ def _tree_cpu(root: int) -> float:
     6.7 (29.7 against 37.7 at 256). Falls back to ``/proc/PID/stat`` where the kernel
     keeps no ``schedstat``.
     """
-    total_ns = 0
-    ticks = 0
-    for pid in [root, *_descendants(root)]:
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total_ns += int(f.read().split()[0])
-            continue
-        except FileNotFoundError:
-            pass  # gone, or no schedstat: ticks then
-        except OSError:
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return total_ns / 1e9 + ticks / CLK
+    try:
+        total_ns = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total_ns += int(f.read().split()[0])
+        return total_ns / 1e9
+    except FileNotFoundError:
+        pass  # gone, or no schedstat: ticks then
+    except OSError:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK  # utime, stime
+
+
+def _tree_cpu(root: int) -> float:
+    """CPU seconds of ``root`` and its live descendants (see :func:`_proc_cpu`)."""
+    return sum(_proc_cpu(pid) for pid in [root, *_descendants(root)])
 
 
 def _descendants(root: int) -> list[int]:
@@ -134,13 +138,16 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             for _ in range(3):
                 await nodes.noop.call()
             me = os.getpid()
+            pids = list(procs.pids)
             cpu0 = _tree_cpu(me)
+            each0 = [_proc_cpu(pid) for pid in pids]
             samples = []
             for _ in range(calls):
                 t = time.perf_counter()
                 await nodes.noop.call()
                 samples.append(time.perf_counter() - t)
             cpu = (_tree_cpu(me) - cpu0) / calls
+            each = [(_proc_cpu(pid) - c) / calls for pid, c in zip(pids, each0)]
             t = time.perf_counter()
             for _ in range(casts):
                 await nodes.bump.broadcast()
@@ -157,6 +164,8 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             "call_p50_ms": _pct(samples, 0.5) * 1e3,
             "call_p99_ms": _pct(samples, 0.99) * 1e3,
             "cpu_per_call_ms": cpu * 1e3,
+            # a median worker is a leaf (relays are one in fan-out)
+            "worker_cpu_us": _pct(each, 0.5) * 1e6,
             "floor_ms": cpu / (os.cpu_count() or 1) * 1e3,
             "bcast_per_s": casts * n / cast_s,
             "pss_mib_per_worker": pss,
@@ -240,15 +249,17 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs; default settings (fan-out 16)")
     print(
         "| processes | spawn + first answer (s) | call() to all p50 / p99 (ms) | CPU per "
-        "call (ms) | floor (ms) | broadcast deliveries/s | PSS per worker (MiB) | stop (s) |"
+        "call (ms) | floor (ms) | a worker's CPU per call, median (µs) | broadcast "
+        "deliveries/s | PSS per worker (MiB) | stop (s) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "spawn_s" not in r:
             continue
         print(
             f"| {r['n']} | {r['spawn_s']:.2f} | {r['call_p50_ms']:.1f} / {r['call_p99_ms']:.1f} "
-            f"| {r['cpu_per_call_ms']:.1f} | {r['floor_ms']:.1f} | {r['bcast_per_s']:,.0f} "
+            f"| {r['cpu_per_call_ms']:.1f} | {r['floor_ms']:.1f} | {r['worker_cpu_us']:.0f} "
+            f"| {r['bcast_per_s']:,.0f} "
             f"| {r['pss_mib_per_worker']:.1f} | {r['stop_s']:.2f} |"
         )
     for r in rows:
