@@ -240,7 +240,8 @@ def main() -> None:
         found = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if not found:
             print(out.stderr[-2000:], file=sys.stderr)
-            rows.append({"n": int(value), "error": out.returncode})
+            last = [x for x in out.stderr.splitlines() if x.strip()][-1:] or [""]
+            rows.append({"n": int(value), "error": out.returncode, "why": last[0][-300:]})
             continue
         rows.append(json.loads(found[0][len("RESULT ") :]))
     if args.json:
@@ -270,7 +271,7 @@ def main() -> None:
                 f"{r['frames_per_call']:.0f} per call(); one call() takes {r['call_ms']:.1f} ms"
             )
         elif "error" in r:
-            print(f"\n{r['n']}: failed (exit {r['error']})")
+            print(f"\n{r['n']}: failed (exit {r['error']}): {r.get('why', '')}")
 
 
 if __name__ == "__main__":
