@@ -40,6 +40,10 @@ from typing import Any
 CLK = os.sysconf("SC_CLK_TCK")
 
 
+#: whether this kernel keeps ``schedstat`` (CONFIG_SCHEDSTATS / SCHED_INFO)
+_SCHEDSTAT = os.path.exists("/proc/self/schedstat")
+
+
 def _proc_cpu(pid: int) -> float:
     """CPU seconds of process ``pid``, every thread of it (0 once it is gone).
 
@@ -49,16 +53,19 @@ def _proc_cpu(pid: int) -> float:
     6.7 (29.7 against 37.7 at 256). Falls back to ``/proc/PID/stat`` where the kernel
     keeps no ``schedstat``.
     """
-    try:
+    if _SCHEDSTAT:
         total_ns = 0
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total_ns += int(f.read().split()[0])
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return 0.0
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total_ns += int(f.read().split()[0])
+            except OSError:
+                continue  # a thread that ended meanwhile
         return total_ns / 1e9
-    except FileNotFoundError:
-        pass  # gone, or no schedstat: ticks then
-    except OSError:
-        return 0.0
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

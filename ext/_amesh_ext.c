@@ -2076,9 +2076,9 @@ fw_flush(FrameWriter *self)
         struct iovec iov = {batch, (size_t)len};
         rc = fw_writev(self, &iov, 1, len);
     }
-    if (self->batch == NULL) {
+    if (self->batch == NULL && self->fd >= 0) {
         self->batch = batch;
-    } else {
+    } else { /* a new batch was started meanwhile, or the writer was dropped */
         PyMem_Free(batch);
     }
     return rc;

@@ -44,6 +44,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any
@@ -111,12 +112,12 @@ def _own_sha256() -> Any:
     the proofs: a freshly forked worker's first HMAC through OpenSSL costs it ~0.4 ms
     and ~150 page copies (OpenSSL sets itself up again after a fork), of the ~10 ms
     that starting a worker costs; this one ~0.1 ms. The same bytes either way."""
-    for name in ("_sha2", "_sha256"):
-        try:
-            return importlib.import_module(name).sha256
-        except (ImportError, AttributeError):
-            pass
-    return hashlib.sha256  # a build without CPython's own hashes
+    # (by version: a failed import would search all of sys.path at every start)
+    name = "_sha2" if sys.version_info >= (3, 12) else "_sha256"
+    try:
+        return importlib.import_module(name).sha256
+    except (ImportError, AttributeError):
+        return hashlib.sha256  # a build without CPython's own hashes
 
 
 _sha256 = _own_sha256()
