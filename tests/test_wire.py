@@ -8,6 +8,8 @@ import anyio
 import msgspec
 import pytest
 from anyio.abc import TaskGroup
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from amesh import ProcMesh, ProtocolError, _codec, _wire
 from amesh._proc_agent import AGENT_KEY
@@ -146,10 +148,10 @@ async def test_a_call_in_another_protocol_version_raises_protocol_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The caller's adverb raises the documented ProtocolError, naming both versions."""
-    encode = _wire.encode
+    encode, encode_envelope = _wire.encode, _wire.encode_envelope
 
     def encode_get_as_v99(env: _wire.Envelope, buffers: list[Any] | None = None) -> _wire.Frame:
-        frame = _wire.join(encode(env, buffers))
+        frame = _wire.join(encode(env, buffers)) if buffers else encode_envelope(env)
         if isinstance(env, _wire.Call) and env.method == "get":  # only this call
             return frame[:2] + bytes([99]) + frame[3:]
         return frame
@@ -159,9 +161,121 @@ async def test_a_call_in_another_protocol_version_raises_protocol_error(
             c = await procs.spawn("c", Counter)
             with monkeypatch.context() as patch:
                 patch.setattr(_wire, "encode", encode_get_as_v99)
+                patch.setattr(_wire, "encode_envelope", encode_get_as_v99)
                 with pytest.raises(ProtocolError) as info:
                     await c.get.call_one()
             assert "protocol version 99 is not supported" in str(info.value)
             assert f"speaks version {_wire.VERSION}" in str(info.value)
             assert str(info.value).startswith("c.get at ")
             assert await c.incr.call_one() == 1  # the worker is fine
+
+
+# -- the C codec agrees with the Python one ---------------------------------------------
+
+_ADDR = "stream+abstract://amesh-1-0123456789ab"
+_ENVELOPES = [
+    _wire.Call(_ADDR, 7, 0, "k", "echo", ["procs"], [1], b"\x80\x05N."),
+    _wire.Call(_ADDR, 2**63 - 1, 3, "k", "m", ["x", "y"], [2, 2], b"p", ["a#b#c"], [4], _ADDR, 9),
+    _wire.Cast(_ADDR, 1, 0, "k", "m", [], [], b""),
+    _wire.Reply(3, 1, b"xyz"),
+    _wire.Reply(4, 0, b"", [3, 0, 5]),
+    _wire.Error(1, 0, "ValueError", "bad", "Traceback ..."),
+    _wire.Gathered(1, [_wire.Reply(1, 0, b"", [2, 3]), _wire.Error(1, 1, "E", "", "")], [2, 3]),
+    _wire.Cancel(_ADDR, 5),
+    _wire.Heartbeat(_ADDR, 17),
+]
+
+
+def _frames() -> st.SearchStrategy[bytes]:
+    """Frames of every kind: well-formed ones, the same cut, grown, with a byte
+    changed or another version, and bytes at random."""
+    good = st.sampled_from(
+        [
+            _wire.join(_wire.encode(env)) + bytes(range(sum(getattr(env, "buffers", None) or [])))
+            for env in _ENVELOPES
+        ]
+    )
+
+    def spoil(frame: bytes, how: int, at: int, byte: int) -> bytes:
+        at %= len(frame) + 1
+        if how == 4:
+            return frame
+        if how == 0:
+            return frame[:at]
+        if how == 1:
+            return frame + bytes([byte]) * (1 + at % 3)
+        if how == 2 and at < len(frame):
+            return frame[:at] + bytes([byte]) + frame[at + 1 :]
+        return frame[:2] + bytes([byte]) + frame[3:]
+
+    spoiled = st.builds(
+        spoil, good, st.integers(0, 4), st.integers(0, 1 << 16), st.integers(0, 255)
+    )
+    return st.one_of(spoiled, st.binary(max_size=64))
+
+
+def _same(got: tuple[_wire.Envelope, list[Any]] | None) -> Any:
+    return None if got is None else (got[0], [bytes(b) for b in got[1]])
+
+
+def test_the_c_codec_is_in_use() -> None:
+    from amesh import _ext
+
+    assert isinstance(_wire.try_decode, _ext.EnvelopeDecoder)
+    assert isinstance(_wire.encode_envelope, _ext.EnvelopeEncoder)
+
+
+@given(frame=_frames(), kind=st.sampled_from([bytes, bytearray, memoryview]))
+@settings(max_examples=3000, deadline=None, database=None, derandomize=True)
+def test_the_c_decoder_takes_exactly_what_the_python_one_takes(frame: bytes, kind: Any) -> None:
+    """For any frame, in any buffer, the C decoder returns what the Python decoder
+    returns, or None where the Python decoder raises."""
+    want = _same(_wire._try_decode(frame))
+    got = _wire.try_decode(kind(frame))
+    assert _same(got) == want
+    if got is not None:
+        assert all(
+            isinstance(b, memoryview) and b.readonly == (kind is not bytearray) for b in got[1]
+        )
+
+
+def test_the_c_encoder_makes_the_python_ones_frames() -> None:
+    for env in _ENVELOPES:
+        frame = _wire.encode_envelope(env)
+        assert frame == _wire._encode_envelope(env) == _wire.join(_wire.encode(env, []))
+        tail = bytes(sum(getattr(env, "buffers", None) or []))
+        assert _wire.decode(frame + tail)[0] == env
+    with pytest.raises(TypeError):
+        _wire.encode_envelope(object())
+
+
+def test_the_c_decoder_refuses_to_leave_the_frame_s_memory_behind() -> None:
+    """A decode function that keeps the view it was given gets it released, and the
+    caller an error, so nothing reads the frame after it is gone."""
+    from amesh import _ext
+
+    kept: list[memoryview] = []
+
+    def keep(view: memoryview) -> Any:
+        kept.append(view)
+        return _wire._decoder.decode(view)
+
+    frame = _wire.join(_wire.encode(_ENVELOPES[3]))
+    with pytest.raises(RuntimeError, match="kept"):
+        _ext.EnvelopeDecoder(_wire.MAGIC + bytes([_wire.VERSION]), keep, {})(frame)
+    with pytest.raises(ValueError, match="released"):
+        bytes(kept[0])
+
+    # a check that raises, or says what is wrong, leaves the frame to the Python decoder
+    def boom(env: Any) -> str:
+        raise KeyError(env)
+
+    for check in (boom, lambda env: "wrong"):
+        decoder = _ext.EnvelopeDecoder(
+            _wire.MAGIC + bytes([_wire.VERSION]), _wire._decoder.decode, {_wire.Reply: check}
+        )
+        assert decoder(frame) is None
+    with pytest.raises(ValueError):
+        _ext.EnvelopeDecoder(b"", _wire._decoder.decode, {})
+    with pytest.raises(TypeError):
+        _ext.EnvelopeDecoder(b"AM\x03", _wire._decoder.decode, {})(frame, frame)

@@ -315,3 +315,49 @@ class FrameWriter:
     @property
     def batched(self) -> int:
         """Bytes batched, waiting."""
+
+@final
+class EnvelopeDecoder:
+    """A received frame's envelope and buffers, in one C call (``amesh._wire.try_decode``).
+
+    ``preamble`` is the magic bytes and the protocol version (a little-endian u32 with
+    the envelope's length follows them in a frame), ``decode`` msgspec's
+    ``Decoder.decode``, ``checks`` what to run on an envelope of each type (``""`` or
+    what is wrong). ``decode`` must not keep the view of the frame it is given.
+
+    Raises:
+        ValueError: the preamble is not 1 to 16 bytes.
+    """
+
+    def __init__(
+        self,
+        preamble: Buffer,
+        decode: Callable[[memoryview], Any],
+        checks: dict[type, Callable[[Any], str]],
+    ) -> None: ...
+    def __call__(self, frame: Buffer, /) -> tuple[Any, list[memoryview]] | None:
+        """``(envelope, views of its out-of-band buffers)`` of a well-formed frame;
+        None for anything else (the caller's Python decoder then says what is wrong).
+
+        Raises:
+            RuntimeError: ``decode`` kept the view of the frame (it is released).
+        """
+
+@final
+class EnvelopeEncoder:
+    """The frame of an envelope with no out-of-band buffers, in one C call
+    (``amesh._wire.encode_envelope``): ``preamble``, the length of ``encode(env)`` as a
+    little-endian u32, then ``encode(env)`` (msgspec's ``Encoder.encode``).
+
+    Raises:
+        ValueError: the preamble is not 1 to 16 bytes.
+    """
+
+    def __init__(self, preamble: Buffer, encode: Callable[[Any], bytes]) -> None: ...
+    def __call__(self, env: object, /) -> bytes:
+        """The frame of ``env``.
+
+        Raises:
+            TypeError: ``encode`` did not return bytes.
+            Exception: what ``encode`` raised.
+        """

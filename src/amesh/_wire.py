@@ -23,8 +23,10 @@ change the encoding.
 from __future__ import annotations
 
 import operator
+import pickle
 import re
 import struct
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -434,11 +436,11 @@ def encode(env: Envelope, buffers: list[Any] | None = None) -> Frame:
     A small frame comes back as one bytes object, a large one as a list of parts
     (the buffers are not copied).
     """
+    if not buffers:
+        return encode_envelope(env)
     buf = bytearray(_HEADER)
     _encoder.encode_into(env, buf, _HEADER_LEN)
     _LEN.pack_into(buf, 3, len(buf) - _HEADER_LEN)
-    if not buffers:
-        return bytes(buf)
     if sum(memoryview(b).nbytes for b in buffers) <= _JOIN_LIMIT:
         for b in buffers:
             buf += b
@@ -461,6 +463,14 @@ def unpack(payload: bytes, buffers: list[Any]) -> tuple[Any, list[Any]]:
     if payload or not buffers:
         return payload, buffers
     return buffers[0], buffers[1:]
+
+
+def load(payload: bytes, buffers: list[Any]) -> Any:
+    """The object that a received payload and its buffers carry (see :func:`pack`):
+    ``amesh._codec.loads(*unpack(payload, buffers))``, in one call."""
+    if payload or not buffers:
+        return pickle.loads(payload, buffers=buffers)
+    return pickle.loads(buffers[0], buffers=buffers[1:])
 
 
 _first = operator.itemgetter(0)
@@ -537,6 +547,15 @@ def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
         BadFrame: not an amesh frame, or truncated/malformed.
         BadVersion: an amesh frame of another protocol version.
     """
+    got = try_decode(frame)
+    if got is not None:
+        return got
+    return _decode(frame)
+
+
+def _decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
+    """:func:`decode` in Python: what is wrong with a frame that :func:`try_decode`
+    did not take, or every frame where the C extension is not built."""
     view = memoryview(frame)
     if len(view) < _HEADER_LEN or view[:2] != MAGIC:
         raise BadFrame("no amesh preamble")
@@ -589,3 +608,40 @@ def decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
     if pos != len(view):
         raise BadFrame(f"{len(view) - pos} stray bytes after the envelope")
     return env, buffers
+
+
+def _encode_envelope(env: Envelope) -> bytes:
+    buf = bytearray(_HEADER)
+    _encoder.encode_into(env, buf, _HEADER_LEN)
+    _LEN.pack_into(buf, 3, len(buf) - _HEADER_LEN)
+    return bytes(buf)
+
+
+def _try_decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]] | None:
+    try:
+        return _decode(frame)
+    except (BadFrame, BadVersion):
+        return None
+
+
+def _c_codec() -> tuple[
+    Callable[[bytes | memoryview], tuple[Envelope, list[memoryview]] | None],
+    Callable[[Envelope], bytes],
+]:
+    try:
+        from ._ext import EnvelopeDecoder, EnvelopeEncoder
+    except ImportError:  # the C extension is not built: the same in Python
+        return _try_decode, _encode_envelope
+    preamble = _HEADER[: len(MAGIC) + 1]
+    return (
+        EnvelopeDecoder(preamble, _decoder.decode, _CHECKS),
+        EnvelopeEncoder(preamble, _encoder.encode),
+    )
+
+
+#: The hot path, in C where the extension is built (``amesh._ext.EnvelopeDecoder`` and
+#: ``EnvelopeEncoder``: one call for the header, the envelope, its checks and its
+#: buffers), else in Python. ``try_decode(frame)``: ``(envelope, buffers)`` of a
+#: well-formed frame, or None (then :func:`decode` says what is wrong).
+#: ``encode_envelope(env)``: :func:`encode` of an envelope with no buffers.
+try_decode, encode_envelope = _c_codec()

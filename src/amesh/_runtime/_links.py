@@ -115,7 +115,7 @@ class Links:
             return None
         if addr in self._dead:
             return None
-        frame = _wire.encode(env, buffers)
+        frame = _wire.encode(env, buffers) if buffers else _wire.encode_envelope(env)
         if addr in self._outq:
             self.post(addr, frame)
             return None

@@ -351,22 +351,12 @@ class Runtime:
     def deliver(self, frame: bytes | memoryview, peer: str) -> None:
         """Route one inbound frame from ``peer`` (the address its sender proved it
         speaks for). Never raises: bad frames are dropped and counted."""
-        try:
-            env, buffers = _wire.decode(frame)
-        except _wire.BadFrame as exc:
-            self._frames_dropped += 1
-            _drops.warning("dropped a malformed frame of %d bytes: %s", len(frame), exc)
-            return
-        except _wire.BadVersion as exc:
-            self._bad_version += 1
-            msg = (
-                f"protocol version {exc.version} is not supported by this runtime "
-                f"(it speaks version {_wire.VERSION})"
-            )
-            _drops.warning("dropped a frame: %s", msg)
-            if exc.sender == peer:  # a direct call from the peer: answer it
-                self.dispatch.reply_error(peer, exc.call_id, exc.rank, ProtocolError, msg)
-            return
+        got = _wire.try_decode(frame)
+        if got is None:
+            got = self._undecodable(frame, peer)
+            if got is None:
+                return
+        env, buffers = got
         try:
             # nearly every frame is a call or a reply: those first, without _route
             if type(env) is _wire.Reply:
@@ -385,6 +375,29 @@ class Runtime:
                 peer,
                 "".join(traceback.format_exception(exc)),
             )
+
+    def _undecodable(
+        self, frame: bytes | memoryview, peer: str
+    ) -> tuple[_wire.Envelope, list[Any]] | None:
+        """A frame that :func:`_wire.try_decode` did not take: dropped and counted, and a
+        call in another protocol version answered; None. (What decodes after all,
+        which only a broken extension would cause, is returned.)"""
+        try:
+            return _wire.decode(frame)
+        except _wire.BadFrame as exc:
+            self._frames_dropped += 1
+            _drops.warning("dropped a malformed frame of %d bytes: %s", len(frame), exc)
+            return None
+        except _wire.BadVersion as exc:
+            self._bad_version += 1
+            msg = (
+                f"protocol version {exc.version} is not supported by this runtime "
+                f"(it speaks version {_wire.VERSION})"
+            )
+            _drops.warning("dropped a frame: %s", msg)
+            if exc.sender == peer:  # a direct call from the peer: answer it
+                self.dispatch.reply_error(peer, exc.call_id, exc.rank, ProtocolError, msg)
+        return None
 
     def _route_own(self, env: _wire.Envelope, buffers: list[Any]) -> None:
         """Route a frame this process sent to itself."""
