@@ -101,8 +101,13 @@ def _one_step(steps: Any, fn: Callable[..., Any]) -> Any:
         steps.send(None)
     except StopIteration as stop:
         return stop.value
+    raise _waited(steps, fn)
+
+
+def _waited(steps: Any, fn: Callable[..., Any]) -> RuntimeError:
+    """Close coroutine ``steps`` of ``fn``, which waited after all: what to raise."""
     steps.close()
-    raise RuntimeError(f"{fn!r} waited, with no await")
+    return RuntimeError(f"{fn!r} waited, with no await")
 
 
 def can_wait(fn: Callable[..., Any]) -> bool:
@@ -512,7 +517,7 @@ class ActorInstance:
         try:
             if handler is None:
                 raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
-            args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
+            args, kwargs = _wire.load(env.payload, buffers)
             if handler.thread:
                 # In a worker thread, which pickles the result too; a cancel
                 # waits for it to return (the actor stays serial), and
@@ -633,11 +638,16 @@ class ActorInstance:
         failure: BaseException | None = None
         later: Any = None
         try:
-            args, kwargs = _codec.loads(*_wire.unpack(env.payload, buffers))
+            args, kwargs = _wire.load(env.payload, buffers)
             try:
                 result = handler.fn(self.obj, *args, **kwargs)
-                if handler.coroutine:  # with no await in its code
-                    result = _one_step(result, handler.fn)
+                if handler.coroutine:  # no await in its code: it ends in one step
+                    try:
+                        result.send(None)
+                    except StopIteration as stop:
+                        result = stop.value
+                    else:
+                        raise _waited(result, handler.fn)
                 elif type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result):
                     later, result = result, None  # a plain function's awaitable
             finally:
