@@ -356,7 +356,7 @@ class MeshEndpoint(Generic[P, R]):
         done = False
         try:
             labels, sizes = self._mesh._wire_shape()
-            waiting = rt.send_requests_soon(
+            waiting = rt.router.send_requests_soon(
                 pending, self._desc.name, labels, sizes, payload, self._mesh._tree()
             )
             if waiting is not None:
@@ -400,7 +400,7 @@ class MeshEndpoint(Generic[P, R]):
         pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
         done = False
         try:
-            waiting = rt.send_requests_soon(
+            waiting = rt.router.send_requests_soon(
                 pending, self._desc.name, labels, sizes, payload, mesh._tree()
             )
             if waiting is not None:  # (a full link, a tree: most calls go at once)
@@ -442,13 +442,16 @@ class MeshEndpoint(Generic[P, R]):
         pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
         done = False
         try:
-            waiting = rt.send_requests_soon(
+            waiting = rt.router.send_requests_soon(
                 pending, self._desc.name, labels, sizes, payload, mesh._tree()
             )
             if waiting is not None:  # (a full link, a tree: most calls go at once)
                 await waiting
             if timeout is None:
-                rank, ok, value = await pending.next()
+                items = pending.items
+                while not items:
+                    await pending.arrival()
+                rank, ok, value = items.popleft()
             else:
                 rank, ok, value = await self._next(pending, _deadline(timeout))
             if not ok:

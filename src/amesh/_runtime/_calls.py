@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from .. import _codec, _wire
@@ -62,8 +62,10 @@ class Pending:
         if self.targets.pop(rank, None) is None:
             return  # duplicate or unexpected: every rank answers at most once
         self.items.append((rank, ok, value))
-        if self._event is not None:
-            self._event.set()
+        event = self._event
+        if event is not None:
+            self._event = None
+            event.set()
 
     def request_id(self, rank: int) -> int:
         """The id of the request that ``rank`` got (which a cancel names)."""
@@ -91,10 +93,15 @@ class Pending:
 
     async def next(self) -> tuple[int, bool, Any]:
         while not self.items:
-            self._event = self._new_event()
-            await self._event.wait()
-        self._event = None
+            await self.arrival()
         return self.items.popleft()
+
+    def arrival(self) -> Awaitable[Any]:
+        """What to await (once, with no reply in :attr:`items`) until one arrives:
+        :meth:`next` without a coroutine of its own."""
+        event = self._event = self._new_event()
+        waiting: Awaitable[Any] = event.wait()
+        return waiting
 
 
 def rank_label(whole: int, rank: int) -> str:

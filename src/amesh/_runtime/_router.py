@@ -110,7 +110,15 @@ class Router:
 
         Returns None once every request is handed over, without a coroutine (the
         common case: each rank directly, each link taking its frame at once), else
-        what to await until the rest are."""
+        what to await until the rest are. The payloads' shared-memory segments are
+        released when the call closes."""
+        if isinstance(payload, Payload):
+            if payload.segments:
+                pending.payload = payload
+        else:
+            segments = [s for p in payload.values() for s in p.segments]
+            if segments:
+                pending.payload = Payload(b"", (), segments)  # every rank's, for release
         ctx = call_context.get()
         chain = ctx.chain if ctx is not None else []
         if self._dead and any(a in self._dead for a in pending.targets.values()):

@@ -28,7 +28,7 @@ import math
 import os
 import traceback
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -37,7 +37,6 @@ import sniffio
 from anyio.abc import TaskGroup
 
 from .. import _codec, _wire
-from .._codec import Payload
 from .._errors import Failure, ProtocolError, SupervisionError
 from .._ratelog import RateLimitedLog
 from .._transport import Transport
@@ -259,28 +258,6 @@ class Runtime:
             for addr, request_id in waiting:
                 if addr not in self.dead:
                     self.links.send_nowait(addr, _wire.Cancel(self.address, request_id))
-
-    def send_requests_soon(
-        self,
-        pending: Pending,
-        method: str,
-        labels: list[str],
-        sizes: list[int],
-        payload: Payloads,
-        tree: Tree | None = None,
-    ) -> Awaitable[None] | None:
-        """Send the call of ``pending`` to each of its target ranks (down ``tree``; one
-        payload per rank goes to each rank directly): None once every request is handed
-        over, else what to await until the rest are (see
-        :meth:`Router.send_requests_soon`)."""
-        if isinstance(payload, Payload):
-            if payload.segments:
-                pending.payload = payload  # released when the call closes
-        else:
-            segments = [s for p in payload.values() for s in p.segments]
-            if segments:
-                pending.payload = Payload(b"", (), segments)  # every rank's, for release
-        return self.router.send_requests_soon(pending, method, labels, sizes, payload, tree)
 
     async def send_casts(
         self,
