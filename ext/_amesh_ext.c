@@ -2387,7 +2387,9 @@ decode_envelope(EnvelopeDecoder *self, const char *p, Py_ssize_t n, Py_ssize_t *
     }
     PyObject *check = PyDict_GetItemWithError(self->checks, (PyObject *)Py_TYPE(env));
     if (check != NULL) {
+        Py_INCREF(check); /* (borrowed from a dict that the check could change) */
         PyObject *why = PyObject_CallOneArg(check, env);
+        Py_DECREF(check);
         int bad = why == NULL ? -1 : PyObject_IsTrue(why);
         Py_XDECREF(why);
         if (bad != 0) {

@@ -18,6 +18,11 @@ ranks, ids and sizes are in range, strings and lists are bounded, the buffers of
 :class:`Gathered` add up): a frame that fails is :class:`BadFrame`, which the runtime
 drops and counts, so nothing behind decode meets such a value. The checks do not
 change the encoding.
+
+The hot path is in C where the extension is built: :func:`try_decode` (a frame's
+preamble, envelope, checks and buffers in one call; None for a frame it does not take,
+which :func:`decode` then explains) and :func:`encode_envelope` (a frame with no
+buffers). The Python versions do the same where it is not built.
 """
 
 from __future__ import annotations
@@ -67,11 +72,14 @@ __all__ = [
     "clip",
     "decode",
     "encode",
+    "encode_envelope",
     "frame_size",
     "is_address",
     "join",
+    "load",
     "pack",
     "payload_size",
+    "try_decode",
     "unpack",
 ]
 
