@@ -272,6 +272,10 @@ def test_keyboard_interrupt_propagates_out_of_amesh_run(backend: str) -> None:
         import os, signal, anyio, amesh
         from amesh import ProcMesh
 
+        # Python leaves SIGINT ignored when it started so (a background job of a shell
+        # without job control): a terminal's Ctrl-C is what this test is about
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
         async def main():
             async with ProcMesh(per_host={{"procs": 1}}) as procs:
                 print(procs.pids[0], flush=True)
