@@ -444,16 +444,12 @@ def encode(env: Envelope, buffers: list[Any] | None = None) -> Frame:
     A small frame comes back as one bytes object, a large one as a list of parts
     (the buffers are not copied).
     """
+    head = encode_envelope(env)
     if not buffers:
-        return encode_envelope(env)
-    buf = bytearray(_HEADER)
-    _encoder.encode_into(env, buf, _HEADER_LEN)
-    _LEN.pack_into(buf, 3, len(buf) - _HEADER_LEN)
+        return head
     if sum(memoryview(b).nbytes for b in buffers) <= _JOIN_LIMIT:
-        for b in buffers:
-            buf += b
-        return bytes(buf)
-    return [bytes(buf), *buffers]
+        return b"".join([head, *buffers])
+    return [head, *buffers]
 
 
 def pack(data: bytes, buffers: list[Any]) -> tuple[bytes, list[int], list[Any]]:

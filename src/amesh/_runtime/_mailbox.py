@@ -101,13 +101,8 @@ def _one_step(steps: Any, fn: Callable[..., Any]) -> Any:
         steps.send(None)
     except StopIteration as stop:
         return stop.value
-    raise _waited(steps, fn)
-
-
-def _waited(steps: Any, fn: Callable[..., Any]) -> RuntimeError:
-    """Close coroutine ``steps`` of ``fn``, which waited after all: what to raise."""
     steps.close()
-    return RuntimeError(f"{fn!r} waited, with no await")
+    raise RuntimeError(f"{fn!r} waited, with no await")
 
 
 def can_wait(fn: Callable[..., Any]) -> bool:
@@ -641,13 +636,8 @@ class ActorInstance:
             args, kwargs = _wire.load(env.payload, buffers)
             try:
                 result = handler.fn(self.obj, *args, **kwargs)
-                if handler.coroutine:  # no await in its code: it ends in one step
-                    try:
-                        result.send(None)
-                    except StopIteration as stop:
-                        result = stop.value
-                    else:
-                        raise _waited(result, handler.fn)
+                if handler.coroutine:  # with no await in its code
+                    result = _one_step(result, handler.fn)
                 elif type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result):
                     later, result = result, None  # a plain function's awaitable
             finally:
