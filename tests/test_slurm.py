@@ -161,7 +161,8 @@ async def test_the_job_ends_with_its_controller(
         "AMESH_HOST": slurm_cluster.host_address,
     }
     with anyio.fail_after(120):
-        out = await anyio.run_process([sys.executable, "-c", _CONTROLLER], env=env)
+        out = await anyio.run_process([sys.executable, "-c", _CONTROLLER], env=env, check=False)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")
     job_id, n = out.stdout.decode().split()
     assert n == "1"
     assert slurm_cluster.wait_job(int(job_id), timeout=60) in ("CANCELLED", None)
