@@ -25,6 +25,8 @@ from amesh import SupervisionError
 from amesh._runtime._runtime import open_runtime
 from amesh._transport import open_transport
 from amesh._transport._auth import job_key, read_key_file
+from amesh._transport._hybrid import HybridTransport
+from amesh._transport._tags import dial_part, tag_of
 
 from .actors import Counter
 
@@ -54,8 +56,8 @@ def shared_key(tmp_path: Path) -> Path:
 class Agent:
     """An ``amesh agent`` process on loopback; a thread collects what it logs."""
 
-    def __init__(self, key: Path, grace: float = 5.0, scheme: str = "tcp") -> None:
-        self.port = free_port()
+    def __init__(self, key: Path, grace: float = 5.0, scheme: str = "tcp", port: int = 0) -> None:
+        self.port = port or free_port()
         self.addr = f"{scheme}://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "amesh", "agent", "--listen", self.addr]
         cmd += ["--key-file", str(key), "--grace", str(grace)]
@@ -205,6 +207,63 @@ async def test_a_mesh_over_two_agents(tmp_path: Path) -> None:
                 with anyio.fail_after(10):
                     await gone(pid)
         assert a1.proc.returncode == 0 and a2.proc.returncode == 0
+
+
+async def test_a_controller_on_the_port_of_a_gone_one_is_another_peer(tmp_path: Path) -> None:
+    """The kernel hands a freed port to the next process that asks. A controller started
+    on the port of one that the agent saw go is a new peer there (its address has
+    another tag, see amesh._transport._tags), and the agent answers it: it was taken
+    for the dead one, and its calls timed out, before."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 1, grace=0.5) as (agent,):
+            async with open_runtime(lambda: HybridTransport()) as rt:
+                first = rt.address
+                hosts = await amesh.attach([agent.addr], key_file=str(key))
+                async with hosts.spawn_procs({"gpus": 1}) as procs:
+                    c = await procs.spawn("c", Counter)
+                    assert await c.incr.call_one() == 1
+            assert tag_of(first)  # the kernel picked its port
+            await agent.logged(f"controller {first} is gone")
+            port = int(dial_part(first).rsplit(":", 1)[1])
+            async with open_runtime(lambda: HybridTransport(port=port)) as rt:
+                assert dial_part(rt.address) == dial_part(first) and rt.address != first
+                hosts = await amesh.attach([agent.addr], key_file=str(key), timeout=20)
+                assert hosts.hosts[0]["pid"] == agent.proc.pid
+                async with hosts.spawn_procs({"gpus": 1}) as procs:
+                    c = await procs.spawn("c", Counter)
+                    assert await c.incr.call_one() == 1
+        assert agent.proc.returncode == 0
+
+
+async def test_attach_reaches_an_agent_started_again_at_its_address(tmp_path: Path) -> None:
+    """An agent that died is taken for dead; ``attach`` to its address asks anew, so an
+    agent started again there (the same well-known address, no tag) is reached."""
+    key = shared_key(tmp_path)
+    started: list[Agent] = []
+    try:
+        with anyio.fail_after(120):
+            started.append(Agent(key))
+            first = started[0]
+            await first.listening()
+            async with tcp_runtime() as rt:
+                hosts = await amesh.attach([first.addr], key_file=str(key))
+                (addr,) = [h["addr"] for h in hosts.hosts]
+                first.proc.kill()
+                first.proc.wait(10)
+                with pytest.raises(SupervisionError):
+                    await amesh.attach([first.addr], timeout=20)
+                assert addr in rt.dead
+                started.append(Agent(key, port=first.port))
+                second = started[1]
+                await second.listening()
+                hosts = await amesh.attach([second.addr], timeout=20)
+                assert hosts.hosts[0]["pid"] == second.proc.pid
+                assert addr not in rt.dead
+            assert second.stop() == 0
+    finally:
+        for a in started:
+            a.stop()
 
 
 async def test_losing_an_agent_fails_the_ranks_of_its_host(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ if kind == "abstract":
 elif kind == "ipc":
     family, where = socket.AF_UNIX, rest
 else:
-    host, _, port = rest.rpartition(":")
+    host, _, port = rest.split("/")[0].rpartition(":")  # (no tag: see _transport._tags)
     family, where = socket.AF_INET, (host, int(port))
 
 

@@ -40,6 +40,7 @@ from amesh._transport import (
 )
 from amesh._transport._ext import ExtTransport
 from amesh._transport._nng import NngTransport
+from amesh._transport._tags import dial_part
 
 from . import test_transport as conformance
 from .test_transport import Impl, Inbox, Lost, RawPeer, make  # noqa: F401 (make: a fixture)
@@ -86,7 +87,7 @@ class TlsImpl(Impl):
         gone = threading.Event()
         with pynng.Push0(tls_config=_tls.client_config(self.material)) as push:
             push.add_post_pipe_remove_cb(lambda pipe: gone.set())
-            push.dial(addr, block=True)
+            push.dial(dial_part(addr), block=True)
             if proven:
                 push.send(_auth.hello(addr, "raw"))
             yield RawPeer(push.send, gone)
@@ -211,7 +212,7 @@ async def test_peers_without_a_job_certificate_are_refused(
     delivered, and a peer of the job goes on."""
     a, b, inbox = cls("tls+tcp"), cls("tls+tcp"), Inbox()
     made += [a, b]
-    port = int(b.address.rsplit(":", 1)[1])
+    port = int(dial_part(b.address).rsplit(":", 1)[1])
     forged = b"forged frame"
     data = SP_PUSH0 + sp_message(_auth.hello(b.address, "raw attacker")) + sp_message(forged)
     stranger = other_material()

@@ -33,6 +33,7 @@ from amesh._transport._ext import ExtTransport
 from amesh._transport._frame import Frame
 from amesh._transport._nng import NngTransport, _fresh_address
 from amesh._transport._paths import ipc_dir
+from amesh._transport._tags import dial_part, tag_of
 
 pytestmark = pytest.mark.anyio
 
@@ -70,7 +71,7 @@ class Impl:
             gone = threading.Event()
             with pynng.Push0() as push:
                 push.add_post_pipe_remove_cb(lambda pipe: gone.set())
-                push.dial(addr, block=True)
+                push.dial(dial_part(addr), block=True)
                 if proven:
                     push.send(_auth.hello(addr, "raw"))
                 yield RawPeer(push.send, gone)
@@ -664,8 +665,9 @@ async def test_stream_schemes(make_stream: Factory, scheme: str) -> None:
     kind = "abstract" if scheme == "auto" else scheme
     assert b.address.startswith(f"stream+{kind}://")
     if scheme == "tcp":
-        host, port = b.address[len("stream+tcp://") :].rsplit(":", 1)
+        host, port = dial_part(b.address)[len("stream+tcp://") :].rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0
+        assert b.address == f"{dial_part(b.address)}/{tag_of(b.address)}"  # see _tags
     path = b.address[len("stream+ipc://") :]
     if scheme == "ipc":
         assert os.path.dirname(path) == ipc_dir() and os.path.exists(path)

@@ -105,11 +105,14 @@ _PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4
 #: ``stream+ipc://PATH``, ``stream+tcp://HOST:PORT``), NNG's (the same without
 #: ``stream+``), and the in-memory test transport's (``memory://HEX``). A unix name or
 #: path has no control character and at most 240 characters, a tcp host is a name or
-#: a (bracketed) IPv6 literal: so an address is at most 978 bytes of UTF-8, within
-#: what a handshake can carry (``_transport._auth.MAX_ADDRESS``).
+#: a (bracketed) IPv6 literal, and a tcp address on a port the kernel picked ends in
+#: its tag (``/`` and 12 hex digits: see ``_transport._tags``): so an address is at
+#: most 978 bytes of UTF-8, within what a handshake can carry
+#: (``_transport._auth.MAX_ADDRESS``).
 _ADDRESS = (
     r"(?:(?:stream\+)?(?:abstract|ipc)://[^\x00-\x1f\x7f]{1,240}"
     rf"|(?:stream\+|tls\+)?tcp://(?:[A-Za-z0-9._-]{{1,253}}|\[[0-9A-Za-z:.%_-]{{1,64}}\]):{_PORT}"
+    r"(?:/[0-9a-f]{12})?"
     r"|memory://[0-9a-f]{1,64})"
 )
 ADDRESS_PATTERN = rf"^{_ADDRESS}\Z"

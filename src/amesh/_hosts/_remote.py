@@ -368,6 +368,8 @@ async def attach(
             "start it with AMESH_TRANSPORT=tcp (or tls+tcp) and AMESH_HOST=<its address on "
             "their network>"
         )
+    for agent in agents:  # an agent may have been restarted since this runtime saw it die
+        rt.peers.revive(agent)
     mesh = ActorMesh(
         "hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": len(agents)}), agents, 0
     )

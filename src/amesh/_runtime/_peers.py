@@ -87,6 +87,13 @@ class Peers:
         if announce:
             self._announce(addr, why)
 
+    def revive(self, addr: str) -> None:
+        """Take the process at ``addr`` for alive again: a well-known address (a host
+        agent's, which has no tag) that someone asks for anew may name a new process
+        there, started after the one that this runtime saw die."""
+        if self.dead.pop(addr, None) is not None:
+            log.info("%s is asked for again: no longer taken for dead", addr)
+
     def _announce(self, addr: str, why: Failure) -> None:
         notice = _wire.Died(
             addr,

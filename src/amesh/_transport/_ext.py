@@ -70,7 +70,10 @@ class ExtTransport:
         scheme: ``abstract``, ``ipc``, ``tcp``, ``tls+tcp`` (encrypted, and both ends
             show a certificate of the job: see :mod:`._tls`) or ``auto``.
         host: the address to listen on for tcp and tls+tcp.
+        port: the port for tcp and tls+tcp (0: one the kernel picks, and the address
+            gets a tag: see :mod:`._tags`).
         max_frame: the largest frame accepted, in bytes.
+        tag: the address's tag (for a port reserved under that tag).
     """
 
     def __init__(
@@ -80,11 +83,12 @@ class ExtTransport:
         host: str = "127.0.0.1",
         port: int = 0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        tag: str = "",
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port)
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port, tag)
         self._address = self._box.address
         self._links = NngLinks(self._address)
         try:

@@ -3,7 +3,8 @@
 A :class:`HybridTransport` is two transports under one address:
 
 - an NNG transport over ``tls+tcp`` (:mod:`._tls`: both ends show a certificate of the
-  job). Its address, ``tls+tcp://HOST:PORT``, is the process's identity everywhere;
+  job). Its address, ``tls+tcp://HOST:PORT/TAG`` (the tag only on a port the kernel
+  picked: see :mod:`._tags`), is the process's identity everywhere;
 - a :class:`~._stream.StreamTransport` on a Linux abstract socket named after that
   address (:func:`alias_of`). Abstract sockets belong to a network namespace, which is
   what "the same host" means here (the namespace hosts of the SLURM tests included):
@@ -53,6 +54,7 @@ from ._auth import has_key
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._stream import StreamTransport, is_stream_address
+from ._tags import tag_of, with_tag
 
 __all__ = ["TLS_PREFIX", "HybridTransport", "alias_of", "local_alias", "local_route", "open_tls"]
 
@@ -108,8 +110,11 @@ def local_route(addr: str) -> str:
     return local_alias(addr) or addr
 
 
-def open_tls(host: str, port: int = 0, max_frame: int = DEFAULT_MAX_FRAME) -> Transport:
-    """An NNG transport on ``tls+tcp://HOST:PORT``: the C extension's, else pynng's.
+def open_tls(
+    host: str, port: int = 0, max_frame: int = DEFAULT_MAX_FRAME, tag: str = ""
+) -> Transport:
+    """An NNG transport on ``tls+tcp://HOST:PORT``, tagged when the kernel picks the
+    port or ``tag`` is given (see :mod:`._tags`): the C extension's, else pynng's.
 
     Raises:
         ImportError: pynng is not installed.
@@ -119,25 +124,28 @@ def open_tls(host: str, port: int = 0, max_frame: int = DEFAULT_MAX_FRAME) -> Tr
     except ImportError:
         from ._nng import NngTransport
 
-        return NngTransport("tls+tcp", host=host, port=port, max_frame=max_frame)
-    return ExtTransport("tls+tcp", host=host, port=port, max_frame=max_frame)
+        return NngTransport("tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag)
+    return ExtTransport("tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag)
 
 
 def _reserve(host: str, port: int) -> tuple[socket.socket, str]:
     """A tcp socket bound to ``host`` and ``port`` (0: one the kernel picks), not
     listening: it keeps the port ours until the TLS listener takes it over. And the
-    ``tls+tcp`` address that listener will have."""
+    ``tls+tcp`` address that listener will have (tagged if the kernel picked the port)."""
     bare = host.strip("[]")
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
+        if port:  # a well-known port (an agent's): take it again at once after a restart
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((bare, port))
-        port = sock.getsockname()[1]
+        bound = sock.getsockname()[1]
     except BaseException:
         sock.close()
         raise
     shown = f"[{bare}]" if ":" in bare else bare
-    return sock, f"{TLS_PREFIX}{shown}:{port}"
+    addr = f"{TLS_PREFIX}{shown}:{bound}"
+    return sock, with_tag(addr) if port == 0 else addr
 
 
 #: A route: the transport that carries frames to an address, and where it sends them.
@@ -232,7 +240,7 @@ class HybridTransport:
         port = reserved.getsockname()[1]
         reserved.close()
         try:
-            tls = open_tls(self._host, port, self._max_frame)
+            tls = open_tls(self._host, port, self._max_frame, tag_of(self._address))
             if tls.address != self._address:  # peers prove themselves to this address
                 tls.close()
                 raise RuntimeError(f"the TLS listener came up at {tls.address}")

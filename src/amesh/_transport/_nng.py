@@ -24,6 +24,7 @@ from ._auth import HANDSHAKE_TIMEOUT, hello
 from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame, join
 from ._nng_pipes import Inbox, NngLink, fresh_address, notify_closing, tls_dialer_config
+from ._tags import dial_part
 
 __all__ = ["Inbox", "NngBeat", "NngLinks", "NngTransport", "notify_closing", "serve_with_sweeps"]
 
@@ -125,7 +126,10 @@ class NngTransport:
         scheme: ``abstract``, ``ipc``, ``tcp``, ``tls+tcp`` (encrypted, and both ends
             show a certificate of the job: see :mod:`._tls`) or ``auto``.
         host: the address to listen on for tcp and tls+tcp.
+        port: the port for tcp and tls+tcp (0: one the kernel picks, and the address
+            gets a tag: see :mod:`._tags`).
         max_frame: the largest frame accepted, in bytes.
+        tag: the address's tag (for a port reserved under that tag).
     """
 
     def __init__(
@@ -135,11 +139,12 @@ class NngTransport:
         host: str = "127.0.0.1",
         port: int = 0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        tag: str = "",
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port)
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port, tag)
         self._address = self._box.address
         self._links = NngLinks(self._address)
 
@@ -266,7 +271,7 @@ class NngBeat:
         try:
             sock.add_post_pipe_remove_cb(partial(self._on_pipe_gone, sock))
             sock.send(hello(self._addr, self._own), block=False)
-            sock.dial(self._addr, block=False)
+            sock.dial(dial_part(self._addr), block=False)
         except BaseException:
             sock.close()
             raise

@@ -46,6 +46,7 @@ from pynng import _nng as _pynng_cffi
 from ._auth import HANDSHAKE_TIMEOUT, HelloCheck, Refusals, Refused, hello
 from ._base import FIRST_CONNECT_WINDOW
 from ._paths import ensure_ipc_dir
+from ._tags import dial_part, with_tag
 
 __all__ = ["Inbox", "NngLink", "fresh_address", "notify_closing", "poster", "tls_dialer_config"]
 
@@ -163,10 +164,19 @@ class Inbox:
         host: the address to listen on for tcp and tls+tcp.
         max_frame: the largest frame NNG accepts.
         recv_buffer: NNG's receive buffer, in messages.
+        port: the tcp port (0: one the kernel picks, and the address gets a fresh tag:
+            see :mod:`._tags`).
+        tag: the tag of the address (a port given with the tag it was reserved under).
     """
 
     def __init__(
-        self, scheme: str, host: str, max_frame: int, recv_buffer: int, port: int = 0
+        self,
+        scheme: str,
+        host: str,
+        max_frame: int,
+        recv_buffer: int,
+        port: int = 0,
+        tag: str = "",
     ) -> None:
         if scheme == "auto":
             scheme = "abstract" if sys.platform == "linux" else "ipc"
@@ -203,6 +213,8 @@ class Inbox:
             # pynng's InAddr.port is in network byte order; its str() is right.
             bound = str(listener.local_address).rsplit(":", 1)[1]
             addr = addr.rsplit(":", 1)[0] + f":{bound}"
+        if scheme in ("tcp", "tls+tcp") and (port == 0 or tag):
+            addr = with_tag(addr, tag)
         self.address = addr
         self.refusals = Refusals(addr)
         self._check = HelloCheck(addr)
@@ -343,7 +355,7 @@ class NngLink:
             sock.add_post_pipe_connect_cb(self._on_pipe)
             sock.add_post_pipe_remove_cb(self._on_pipe_gone)
             sock.send(hello(addr, own), block=False)  # queued: the first of the first pipe
-            sock.dial(addr, block=False)
+            sock.dial(dial_part(addr), block=False)
         except BaseException:
             sock.close()
             raise

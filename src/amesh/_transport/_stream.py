@@ -13,7 +13,8 @@ protocol:
 - ``stream+ipc:///PATH.sock``: a unix socket file under
   :func:`~amesh._transport._paths.ipc_dir`, removed at :meth:`StreamTransport.close`;
 - ``stream+tcp://HOST:PORT`` (``[HOST]`` for IPv6): always a numeric host, the one the
-  listener is bound to, and the real port when it was asked for port 0.
+  listener is bound to, and the real port when it was asked for port 0, followed then
+  by a tag (``stream+tcp://HOST:PORT/TAG``: see :mod:`._tags`).
 
 On asyncio (uvloop in amesh's processes) the loop's own protocols do the I/O: inbound
 connections are read by a :class:`asyncio.BufferedProtocol` that splits frames straight
@@ -100,6 +101,7 @@ from ._stream_wire import (
     nbytes,
     parse_address,
 )
+from ._tags import with_tag
 
 __all__ = ["HIGH_WATER", "StreamBeat", "StreamTransport", "is_stream_address", "parse_address"]
 
@@ -127,10 +129,12 @@ def _listen(
         if port:  # a well-known port (an agent's): take it again at once after a restart
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
-        if scheme == "tcp":  # report the port the kernel picked
-            bound_host, port = sock.getsockname()[:2]
+        if scheme == "tcp":  # report the port the kernel picked, under a tag
+            bound_host, bound = sock.getsockname()[:2]
             shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-            addr = f"{PREFIX}tcp://{shown}:{port}"
+            addr = f"{PREFIX}tcp://{shown}:{bound}"
+            if port == 0:
+                addr = with_tag(addr)
         sock.listen(socket.SOMAXCONN)
     except BaseException:
         sock.close()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ._auth import CHALLENGE_LEN, Refused, answer
 from ._paths import ipc_dir
+from ._tags import dial_part
 
 if TYPE_CHECKING:
     from .._ext import FrameReader
@@ -80,7 +81,7 @@ def parse_address(addr: str) -> tuple[int, SockAddr]:
     Raises:
         ValueError: ``addr`` is not a stream transport address.
     """
-    scheme, sep, rest = addr.partition("://")
+    scheme, sep, rest = dial_part(addr).partition("://")
     if sep and scheme == PREFIX + "abstract" and rest:
         return socket.AF_UNIX, "\0" + rest
     if sep and scheme == PREFIX + "ipc" and rest:
