@@ -22,8 +22,9 @@
  *   says "full" (False) at once. nng_send_aio was measured no cheaper for the
  *   caller and can only report "full" later, from an NNG thread; the wall time
  *   of a send is mostly preemption by the threads it wakes, not waiting.
- * - finalize(): pynng calls nng_fini() at exit. Before that, every Receiver is
- *   stopped and its aio freed; afterwards nothing here calls NNG again.
+ * - finalize(): at exit, before amesh closes every NNG socket (it does not call
+ *   nng_fini(), see amesh._transport._nng_pipes), every Receiver is stopped and
+ *   its aio freed; afterwards nothing here calls NNG again.
  *
  * And, apart from NNG:
  *
@@ -2866,7 +2867,7 @@ static PyMethodDef ext_methods[] = {
     {"flush_stdio", (PyCFunction)ext_flush_stdio, METH_NOARGS,
      "flush_stdio(): fflush every C stdio stream, the GIL released."},
     {"finalize", (PyCFunction)ext_finalize, METH_NOARGS,
-     "Stop every Receiver and NNG Beat, and make no more NNG calls (run before nng_fini)."},
+     "Stop every Receiver and NNG Beat, and make no more NNG calls (run at exit, before the sockets close)."},
     {"_wait_uninterruptibly", (PyCFunction)ext_wait_uninterruptibly, METH_O,
      "_wait_uninterruptibly(seconds): for tests, sleep in the kernel in state D."},
     {NULL, NULL, 0, NULL},

@@ -886,6 +886,53 @@ def test_ext_constants_match_pynng() -> None:
     assert _ext.NNG_ECLOSED == _nng.lib.NNG_ECLOSED
 
 
+_EXIT_WITH_AN_OPEN_SOCKET = """
+import sys, pynng
+import amesh._transport._ext  # amesh's NNG transports: what a worker or agent imports
+
+real = pynng.nng.lib
+
+
+class Spy:
+    def __getattr__(self, name):
+        return getattr(real, name)
+
+    def nng_fini(self):
+        print("nng_fini", flush=True)
+        real.nng_fini()
+
+
+pynng.nng.lib = Spy()
+push = pynng.Push0()
+push.dial(sys.argv[1], block=True)
+print("dialled", flush=True)
+"""
+
+
+def test_exit_closes_the_sockets_and_leaves_nng_to_the_kernel(tmp_path: Any) -> None:
+    """A process that imported amesh's NNG transports exits with a socket still open:
+    amesh closes it at exit and does not call pynng's ``nng_fini()``, whose teardown
+    races with NNG's own threads (NNG 1.11 aborted with "panic: pthread_mutex_lock:
+    Invalid argument" from ``tls_reap`` at about one exit in 400 with TLS links)."""
+    import subprocess
+    import sys
+
+    gone = threading.Event()
+    with pynng.Pull0() as pull:
+        pull.add_post_pipe_remove_cb(lambda pipe: gone.set())
+        addr = f"ipc://{tmp_path}/exit.sock"
+        pull.listen(addr)
+        out = subprocess.run(
+            [sys.executable, "-c", _EXIT_WITH_AN_OPEN_SOCKET, addr],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "dialled\n"  # and no nng_fini
+        assert gone.wait(10)
+
+
 def test_ext_message_is_a_writable_buffer_that_outlives_the_frame() -> None:
     with pynng.Pull0() as pull, pynng.Push0() as push:
         rx = _ext.Receiver(pull.socket.id, 4)

@@ -11,8 +11,8 @@ NNG_EAGAIN: Final[int]
 NNG_ECLOSED: Final[int]
 
 def finalize() -> None:
-    """Stop every Receiver and NNG :class:`Beat` and make no more NNG calls; run
-    before pynng's nng_fini()."""
+    """Stop every Receiver and NNG :class:`Beat` and make no more NNG calls; run at
+    exit, before the NNG sockets are closed."""
 
 def exit_when_closed(fd: int, /) -> None:
     """Start a thread of its own (no Python, every signal blocked) that reads ``fd``

@@ -58,8 +58,9 @@ def _bind() -> None:
 
 
 _bind()
-# pynng calls nng_fini() at exit; atexit runs handlers last-in first-out, so this one
-# (registered after pynng's) stops the extension's receives while NNG still runs.
+# At exit the sockets are closed (see _nng_pipes._close_at_exit, which replaces pynng's
+# nng_fini()); atexit runs handlers last-in first-out, so this one (registered after
+# that one) stops the extension's receives first, while their sockets are open.
 atexit.register(_ext.finalize)
 
 

@@ -28,6 +28,8 @@ call over to the event loop.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import logging
 import os
 import sys
@@ -63,6 +65,32 @@ _PEER_PID = b"ipc:peer-pid"
 _TLS_POLL = 2.0
 
 Post = Callable[[Callable[[], None]], None]
+
+
+def _close_at_exit() -> None:
+    """At exit, instead of pynng's ``nng_fini()``: close every NNG socket still open
+    (what ``nng_fini`` does first) and leave the rest of NNG to the kernel.
+
+    ``nng_fini`` then tears NNG's subsystems down while its threads may still finish
+    closing a connection, and NNG 1.11 aborts the process when one does so late: a TLS
+    connection that a task queue closes after the reap list was drained is reaped after
+    the aio subsystem is gone ("panic: pthread_mutex_lock: Invalid argument", from
+    ``tls_reap``; an exit in a few hundred with TLS links did so here). A process that
+    exits needs no teardown: its sockets are closed, so no pipe event calls back into
+    Python while it finalizes, and the kernel ends NNG's idle threads.
+    """
+    for obj in gc.get_objects():
+        if issubclass(type(obj), pynng.Socket):  # (isinstance would ask proxies' __class__)
+            try:
+                obj.close()
+            except Exception:  # already closed, or a socket NNG has no more
+                pass
+
+
+_pynng_fini = getattr(getattr(pynng, "nng", None), "_pynng_atexit", None)
+if _pynng_fini is not None:  # (a pynng without it leaves nothing to replace)
+    atexit.unregister(_pynng_fini)
+    atexit.register(_close_at_exit)
 
 
 def notify_closing(fd: int) -> None:
