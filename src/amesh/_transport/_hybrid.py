@@ -136,8 +136,6 @@ def _reserve(host: str, port: int) -> tuple[socket.socket, str]:
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        if port:  # a well-known port (an agent's): take it again at once after a restart
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((bare, port))
         bound = sock.getsockname()[1]
     except BaseException:
