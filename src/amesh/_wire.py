@@ -84,7 +84,10 @@ __all__ = [
 ]
 
 MAGIC = b"AM"
-VERSION = 3
+#: 4 since tcp addresses may end in a tag (``_transport._tags``): a peer of version 3
+#: would drop the frames of such a sender as malformed, and now answers with a clear
+#: error instead.
+VERSION = 4
 #: A pickle at least this long travels as a frame part of its own, not in the envelope.
 INLINE_LIMIT = 16 * 1024
 #: Frames up to this size are sent as one bytes object (one small copy beats parts).
