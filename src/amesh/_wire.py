@@ -38,6 +38,7 @@ import msgspec
 from msgspec import Meta
 
 from ._transport._frame import Frame, frame_size, join
+from ._transport._tags import TAG_PATTERN
 
 __all__ = [
     "ADDRESS_PATTERN",
@@ -115,7 +116,7 @@ _PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4
 _ADDRESS = (
     r"(?:(?:stream\+)?(?:abstract|ipc)://[^\x00-\x1f\x7f]{1,240}"
     rf"|(?:stream\+|tls\+)?tcp://(?:[A-Za-z0-9._-]{{1,253}}|\[[0-9A-Za-z:.%_-]{{1,64}}\]):{_PORT}"
-    r"(?:/[0-9a-f]{12})?"
+    rf"(?:{TAG_PATTERN})?"
     r"|memory://[0-9a-f]{1,64})"
 )
 ADDRESS_PATTERN = rf"^{_ADDRESS}\Z"

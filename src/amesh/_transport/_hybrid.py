@@ -54,7 +54,7 @@ from ._auth import has_key
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._stream import StreamTransport, is_stream_address
-from ._tags import tag_of, with_tag
+from ._tags import listening_address, tag_of
 
 __all__ = ["TLS_PREFIX", "HybridTransport", "alias_of", "local_alias", "local_route", "open_tls"]
 
@@ -142,8 +142,7 @@ def _reserve(host: str, port: int) -> tuple[socket.socket, str]:
         sock.close()
         raise
     shown = f"[{bare}]" if ":" in bare else bare
-    addr = f"{TLS_PREFIX}{shown}:{bound}"
-    return sock, with_tag(addr) if port == 0 else addr
+    return sock, listening_address(f"{TLS_PREFIX}{shown}:{bound}", port)
 
 
 #: A route: the transport that carries frames to an address, and where it sends them.

@@ -48,7 +48,7 @@ from pynng import _nng as _pynng_cffi
 from ._auth import HANDSHAKE_TIMEOUT, HelloCheck, Refusals, Refused, hello
 from ._base import FIRST_CONNECT_WINDOW
 from ._paths import ensure_ipc_dir
-from ._tags import dial_part, with_tag
+from ._tags import dial_part, listening_address
 
 __all__ = ["Inbox", "NngLink", "fresh_address", "notify_closing", "poster", "tls_dialer_config"]
 
@@ -241,8 +241,8 @@ class Inbox:
             # pynng's InAddr.port is in network byte order; its str() is right.
             bound = str(listener.local_address).rsplit(":", 1)[1]
             addr = addr.rsplit(":", 1)[0] + f":{bound}"
-        if scheme in ("tcp", "tls+tcp") and (port == 0 or tag):
-            addr = with_tag(addr, tag)
+        if scheme in ("tcp", "tls+tcp"):
+            addr = listening_address(addr, port, tag)
         self.address = addr
         self.refusals = Refusals(addr)
         self._check = HelloCheck(addr)

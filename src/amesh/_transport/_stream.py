@@ -101,7 +101,7 @@ from ._stream_wire import (
     nbytes,
     parse_address,
 )
-from ._tags import with_tag
+from ._tags import listening_address
 
 __all__ = ["HIGH_WATER", "StreamBeat", "StreamTransport", "is_stream_address", "parse_address"]
 
@@ -132,9 +132,7 @@ def _listen(
         if scheme == "tcp":  # report the port the kernel picked, under a tag
             bound_host, bound = sock.getsockname()[:2]
             shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-            addr = f"{PREFIX}tcp://{shown}:{bound}"
-            if port == 0:
-                addr = with_tag(addr)
+            addr = listening_address(f"{PREFIX}tcp://{shown}:{bound}", port)
         sock.listen(socket.SOMAXCONN)
     except BaseException:
         sock.close()

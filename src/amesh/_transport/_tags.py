@@ -19,16 +19,20 @@ from __future__ import annotations
 import re
 import secrets
 
-__all__ = ["TAG_PATTERN", "dial_part", "tag_of", "with_tag"]
+__all__ = ["TAG_PATTERN", "dial_part", "listening_address", "tag_of"]
 
 #: 48 random bits, in hex: how a tag is written after the port
 TAG_PATTERN = r"/[0-9a-f]{12}"
 _TAGGED = re.compile(rf"^((?:stream\+|tls\+)?tcp://.*:[0-9]+)({TAG_PATTERN})\Z")
 
 
-def with_tag(addr: str, tag: str = "") -> str:
-    """``addr`` (a tcp address without a tag) with ``tag``, or a fresh one."""
-    return f"{addr}/{tag or secrets.token_hex(6)}"
+def listening_address(addr: str, port: int, tag: str = "") -> str:
+    """The address of a tcp listener bound at ``addr`` (its real port, no tag) when
+    ``port`` was asked for: with ``tag`` when one is given (a port reserved under it),
+    with a fresh tag when the kernel picked the port (``port`` 0), else ``addr``."""
+    if tag or port == 0:
+        return f"{addr}/{tag or secrets.token_hex(6)}"
+    return addr
 
 
 def dial_part(addr: str) -> str:
