@@ -313,3 +313,92 @@ async def test_parent_death_signal_only_where_the_forking_thread_lives_on(
             stats = (await procs.statistics()).values()[0]
             trio_exec = anyio_backend[0] == "trio" and not zygote
             assert stats["parent_death_signal"] == (0 if trio_exec else signal.SIGKILL)
+
+
+async def test_each_worker_has_its_meshs_environment_whichever_came_before() -> None:
+    """The zygote holds one mesh's environment and each request says how its worker's
+    differs: a mesh that differs in many variables sends its whole environment."""
+    many = {f"AMESH_TEST_MANY_{i}": str(i) for i in range(40)}
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as first:
+            plain = await facts(first)
+            async with (
+                ProcMesh(per_host={"procs": 3}, env=many) as second,
+                ProcMesh(per_host={"procs": 2}, env={"AMESH_TEST_FEW": "x"}) as third,
+            ):
+                mixed = await facts(second), await facts(third)
+            async with ProcMesh(per_host={"procs": 2}) as fourth:
+                again = await facts(fourth)
+    zygote = plain[0]["ppid"]
+    for worker in [*plain, *mixed[0], *mixed[1], *again]:
+        assert worker["ppid"] == zygote
+    for worker in mixed[0]:
+        assert {k: worker["env"].get(k) for k in many} == many
+        assert "AMESH_TEST_FEW" not in worker["env"]
+    for worker in mixed[1]:
+        assert worker["env"]["AMESH_TEST_FEW"] == "x"
+        assert not any(k.startswith("AMESH_TEST_MANY") for k in worker["env"])
+    for worker in [*plain, *again]:
+        assert not any(k.startswith(("AMESH_TEST_MANY", "AMESH_TEST_FEW")) for k in worker["env"])
+        # (what a worker takes for itself is not passed on)
+        assert not {"AMESH_OUTPUT_LABEL", "AMESH_OUTPUT_RANK"} & worker["env"].keys()
+
+
+async def test_a_worker_takes_settings_that_differ_from_the_zygotes() -> None:
+    """A setting given to one mesh only reaches its workers, parsed there."""
+    env = {"AMESH_SHM_THRESHOLD": "12345"}
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as first:
+            c = await first.spawn("c", Counter)
+            default = (await c.apply.call(_shm_threshold, None)).values()
+            async with ProcMesh(per_host={"procs": 2}, env=env) as second:
+                d = await second.spawn("d", Counter)
+                given = (await d.apply.call(_shm_threshold, None)).values()
+            async with ProcMesh(per_host={"procs": 1}) as third:
+                e = await third.spawn("e", Counter)
+                again = (await e.apply.call(_shm_threshold, None)).values()
+    assert given == [12345, 12345]
+    assert default == again != given
+
+
+def _shm_threshold(_: object) -> int:
+    from amesh._config import settings
+
+    return settings().shm_threshold
+
+
+async def test_the_zygote_refuses_a_change_without_its_base_and_recovers() -> None:
+    """A request the zygote cannot read may have carried the environment that later
+    ones change: it refuses those until the controller sends a whole one again."""
+    import array
+    import socket
+
+    import msgspec
+
+    from amesh._bootstrap import Bootstrap
+    from amesh._hosts import _local, _zygote
+    from amesh._runtime._runtime import current_runtime
+
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as first:
+            [before] = await facts(first)
+            zygote = _local._ZYGOTES[current_runtime()].zygote
+            assert zygote is not None and zygote._base is not None
+            rid = next(zygote._ids)
+            req = zygote._requests[rid] = _zygote._Request()
+            boot = Bootstrap("unused", 0, "", "", "", [], 1.0, False, key=b"")
+            change = _zygote.Spawn(rid, {"AMESH_TEST_X": "1"}, [], None, os.getcwd(), boot)
+            zygote._sock.sendmsg([b"\xc1"])  # a byte msgpack never uses
+            zygote._sock.sendmsg(
+                [msgspec.msgpack.encode(change)],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [1, 2]))],
+            )
+            await req.done.wait()
+            assert req.process is None
+            assert req.error == "the request's environment is out of step"
+            assert zygote._base is None  # the next request sends a whole one
+            async with ProcMesh(per_host={"procs": 2}, env={"AMESH_TEST_X": "2"}) as second:
+                after = await facts(second)
+        for worker in after:
+            assert worker["ppid"] == before["ppid"]  # forked, not exec'd
+            assert worker["env"]["AMESH_TEST_X"] == "2"

@@ -71,8 +71,8 @@ import anyio
 import msgspec
 
 from .._bootstrap import Bootstrap
+from .._config import INTERNAL, settings, take_internal
 from .._config import reset as reset_settings
-from .._config import settings, take_internal
 from .._transport import default_impl
 
 __all__ = [
@@ -99,6 +99,11 @@ _BOOT_VAR = "AMESH_ZYGOTE_BOOT"
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES")
 #: Largest request (its environment, mostly); a larger one is exec'd instead.
 _MAX_REQUEST = 1 << 20
+#: A request differing from the zygote's environment in more variables than this
+#: sends its whole environment as the new base (another mesh's, say).
+_MAX_CHANGES = 16
+#: Requests forked in one go when several wait (each brings two descriptors).
+_BATCH = 64
 _PR_SET_PDEATHSIG = 1
 #: What a worker imports, so that its children need not: optional ones may be missing.
 _PRELOAD = ("amesh._worker", "anyio._backends._asyncio", "cloudpickle")
@@ -127,10 +132,20 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
 
 class Spawn(msgspec.Struct, frozen=True, tag=True):
     """Fork a worker with this environment, working directory and bootstrap (which
-    holds the job key, so it stays out of the environment)."""
+    holds the job key, so it stays out of the environment).
+
+    The environment comes as a change: ``base``, when given, becomes the zygote's own
+    environment (before it forks, and for the requests after this one); the child then
+    sets ``env`` and removes ``unset`` in its own. The workers of one mesh differ from
+    the base in a variable (their rank), so the zygote neither decodes nor sets a whole
+    environment per worker: every page it writes between two forks is copied again,
+    as the child it just forked shares it.
+    """
 
     id: int
     env: dict[str, str]
+    unset: list[str]
+    base: dict[str, str] | None
     cwd: str
     boot: Bootstrap
 
@@ -157,10 +172,12 @@ class Exited(msgspec.Struct, frozen=True, tag=True):
 _FromZygote = Hello | Spawned | SpawnFailed | Exited
 
 
-def _recv(sock: socket.socket, size: int, maxfds: int) -> tuple[bytes, list[int], int]:
+def _recv(
+    sock: socket.socket, size: int, maxfds: int, flags: int = 0
+) -> tuple[bytes, list[int], int]:
     """One message, its descriptors (close-on-exec) and the flags."""
     msg, ancdata, flags, _ = sock.recvmsg(
-        size, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC
+        size, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC | flags
     )
     fds = array.array("i")
     for level, kind, data in ancdata:
@@ -262,6 +279,9 @@ class Zygote:
         #: processes whose exit the zygote has not reported yet, by pid
         self._live: dict[int, ZygoteProcess] = {}
         self._send_lock = anyio.Lock()
+        #: the environment the zygote holds (the base of the next request's change);
+        #: None: send one with the next request (as the first does)
+        self._base: dict[str, str] | None = None
         self._hello: Hello | None = None
         self._greeted = anyio.Event()
         #: set once the zygote is reaped and its descriptors closed
@@ -350,12 +370,13 @@ class Zygote:
         if not self.usable:
             raise ZygoteError("the zygote has exited")
         rid = next(self._ids)
-        data = msgspec.msgpack.encode(Spawn(rid, env, cwd, boot))
-        if len(data) > _MAX_REQUEST:
-            raise ZygoteError("the environment is too large for a zygote request")
         req = self._requests[rid] = _Request()
         try:
             async with self._send_lock:
+                # (under the lock: the zygote takes each change against the one before)
+                data, base = self._request(rid, env, cwd, boot)
+                if len(data) > _MAX_REQUEST:
+                    raise ZygoteError("the environment is too large for a zygote request")
                 while True:
                     try:
                         # the child writes where this process writes now
@@ -367,6 +388,8 @@ class Zygote:
                         break
                     except BlockingIOError:
                         await anyio.wait_writable(self._sock)
+                if base is not None:
+                    self._base = base
             await req.done.wait()
         except (OSError, anyio.ClosedResourceError) as exc:
             raise ZygoteError(f"cannot reach the zygote: {exc}") from exc
@@ -379,6 +402,17 @@ class Zygote:
         if req.process is None:
             raise ZygoteError(req.error or "the zygote has exited")
         return req.process
+
+    def _request(
+        self, rid: int, env: dict[str, str], cwd: str, boot: Bootstrap
+    ) -> tuple[bytes, dict[str, str] | None]:
+        """The request for a worker with ``env``, and the new base it sends (or None)."""
+        if (old := self._base) is not None:
+            changed = {k: v for k, v in env.items() if old.get(k) != v}
+            unset = [k for k in old if k not in env]
+            if len(changed) + len(unset) <= _MAX_CHANGES:
+                return msgspec.msgpack.encode(Spawn(rid, changed, unset, None, cwd, boot)), None
+        return msgspec.msgpack.encode(Spawn(rid, {}, [], env, cwd, boot)), dict(env)
 
     async def _read(self) -> None:
         eof = False
@@ -418,6 +452,7 @@ class Zygote:
             else:  # its starter was cancelled: nobody will supervise it
                 proc.kill()
         elif isinstance(msg, SpawnFailed):
+            self._base = None  # it may not have taken the request's base: send one again
             req = self._requests.get(msg.id)
             if req is not None:
                 req.error = msg.error
@@ -487,54 +522,142 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _serve(ctl: socket.socket) -> Spawn | None:
-    """Fork a child per request until the controller goes.
+class _Server:
+    """The zygote's loop: fork a child per request until the controller goes."""
 
-    Returns None in the zygote when it should exit, and the request in each child.
-    """
-    children: dict[int, int] = {}  # pidfd -> pid
-    poller = select.poll()
-    poller.register(ctl, select.POLLIN)
-    poller.register(0, select.POLLIN)  # the lifeline: any event means it closed
-    _send(ctl, Hello(os.getpid(), _threads()))
-    while True:
-        for fd, _ in poller.poll():
-            if fd == 0:
-                _shutdown(ctl, children)
-                return None
-            if fd == ctl.fileno():
-                try:
-                    data, fds, flags = _recv(ctl, _MAX_REQUEST, 2)
-                except OSError:
-                    data, fds, flags = b"", [], 0
-                if not data:
-                    _shutdown(ctl, children)
+    def __init__(self, ctl: socket.socket) -> None:
+        self.ctl = ctl
+        self.children: dict[int, int] = {}  # pidfd -> pid
+        self.poller = select.poll()
+        self.poller.register(ctl, select.POLLIN)
+        self.poller.register(0, select.POLLIN)  # the lifeline: any event means it closed
+        #: whether this process holds a base environment (see Spawn)
+        self.based = False
+        #: the requests read and not yet forked
+        self.batch: list[tuple[Spawn | None, list[int]]] = []
+
+    def serve(self) -> Spawn | None:
+        """None in the zygote when it should exit, and the request in each child.
+
+        A child keeps this object, and what it holds, as they are: freeing them would
+        write pages it shares with the zygote.
+        """
+        ctl = self.ctl
+        _send(ctl, Hello(os.getpid(), _threads()))
+        while True:
+            for fd, _ in self.poller.poll():
+                if fd == 0:
+                    _shutdown(ctl, self.children)
                     return None
-                try:
-                    req = msgspec.msgpack.decode(data, type=Spawn)
-                except msgspec.DecodeError:  # cannot happen: requests are under _MAX_REQUEST
-                    _fail(ctl, -1, "unreadable request", fds)
-                    continue
-                if len(fds) != 2 or flags & socket.MSG_CTRUNC:
-                    _fail(ctl, req.id, "a request without stdout and stderr", fds)
-                    continue
-                _adopt_env(req.env)  # here, once: its child shares it (see _adopt_env)
-                if _fork(ctl, children, poller, req, fds):
-                    return req
-            else:
-                pid = children.pop(fd)
-                poller.unregister(fd)
+                if fd == ctl.fileno():
+                    if not self._take():  # the controller is gone: fork nothing more
+                        _shutdown(ctl, self.children)
+                        return None
+                    if (req := self._fork_all()) is not None:
+                        return req
+                else:
+                    pid = self.children.pop(fd)
+                    self.poller.unregister(fd)
+                    os.close(fd)
+                    _, status = os.waitpid(pid, 0)
+                    _report(ctl, Exited(pid, os.waitstatus_to_exitcode(status)))
+
+    def _take(self) -> bool:
+        """Read the requests waiting (at most :data:`_BATCH`) into ``batch``, each decoded
+        (None: unreadable) with its descriptors (none where they were cut short); False
+        once the controller closed its end."""
+        batch: list[tuple[Spawn | None, list[int]]] = []
+        self.batch = batch
+        while len(batch) < _BATCH:
+            try:
+                # (a blocking socket: the reports wait for room, never dropped)
+                data, fds, flags = _recv(self.ctl, _MAX_REQUEST, 2, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            if flags & socket.MSG_CTRUNC:
+                for fd in fds:
+                    os.close(fd)
+                fds = []
+            try:
+                batch.append((msgspec.msgpack.decode(data, type=Spawn), fds))
+            except msgspec.DecodeError:  # cannot happen: requests are under _MAX_REQUEST
+                batch.append((None, fds))
+        return True
+
+    def _fork_all(self) -> Spawn | None:
+        """Fork the child of each request of ``batch``; its request in each child, None
+        here.
+
+        Between two forks this process does as little as it can (a fork, and a base
+        environment now and then): each page it writes after a fork is copied, as the
+        child shares it. The pidfds are opened and reported once all are forked.
+        """
+        n = _threads()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        forked: list[tuple[Spawn, list[int], int]] = []
+        failed: list[tuple[int, list[int], str]] = []
+        for req, fds in self.batch:
+            if req is None:
+                self.based = False  # it may have been a base: wait for the next one
+                failed.append((-1, fds, "unreadable request"))
+                continue
+            if req.base is not None:
+                _adopt_env(req.base)  # here, once: its children share it (see _adopt_env)
+                self.based = True
+            elif not self.based:
+                failed.append((req.id, fds, "the request's environment is out of step"))
+                continue
+            if n != 1:
+                failed.append((req.id, fds, f"the zygote runs {n} threads: forking it is not safe"))
+                continue
+            if len(fds) != 2:
+                failed.append((req.id, fds, "a request without stdout and stderr"))
+                continue
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                failed.append((req.id, fds, f"fork: {exc}"))
+                continue
+            if pid == 0:
+                self._become_child(fds)
+                return req
+            forked.append((req, fds, pid))
+        for rid, fds, error in failed:
+            _fail(self.ctl, rid, error, fds)
+        for req, fds, pid in forked:
+            for fd in fds:
                 os.close(fd)
-                _, status = os.waitpid(pid, 0)
-                _report(ctl, Exited(pid, os.waitstatus_to_exitcode(status)))
+            pidfd = os.pidfd_open(pid)
+            self.children[pidfd] = pid
+            self.poller.register(pidfd, select.POLLIN)
+            _report(self.ctl, Spawned(req.id, pid), [pidfd])
+        return None
+
+    def _become_child(self, fds: list[int]) -> None:
+        """Close what is the zygote's, and make ``fds`` stdout and stderr."""
+        self.ctl.close()
+        for pidfd in self.children:
+            os.close(pidfd)
+        for _, others in self.batch:
+            if others is not fds:
+                for fd in others:
+                    os.close(fd)
+        for target, fd in zip((1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _adopt_env(env: dict[str, str]) -> None:
-    """Make this process's environment ``env``, and parse its settings, before forking
-    its child: a child that does it itself writes pages it would otherwise share with
-    the zygote (os.environ's dict and its encoded copies, libc's environ, the settings):
-    1,712 -> 1,680 page faults a worker, from start to its first answer. Requests of
-    one mesh differ in a variable or two (the rank's): a few ``putenv`` here."""
+    """Make this process's environment ``env`` (a request's base), and parse its
+    settings, before forking the children: a child that does it itself writes pages it
+    would otherwise share with the zygote (os.environ's dict and its encoded copies,
+    libc's environ, the settings): 1,712 -> 1,680 page faults a worker, from start to
+    its first answer. A child then sets the few variables it differs in (_take_env)."""
     for name in [name for name in os.environ if name not in env]:
         del os.environ[name]
     for name, value in env.items():
@@ -560,36 +683,15 @@ def _fail(ctl: socket.socket, rid: int, error: str, fds: list[int]) -> None:
     _report(ctl, SpawnFailed(rid, error))
 
 
-def _fork(
-    ctl: socket.socket, children: dict[int, int], poller: select.poll, req: Spawn, fds: list[int]
-) -> bool:
-    """Fork the child of ``req``; True in the child, which then prepares itself."""
-    n = _threads()
-    if n != 1:
-        _fail(ctl, req.id, f"the zygote runs {n} threads: forking it is not safe", fds)
-        return False
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        pid = os.fork()
-    except OSError as exc:
-        _fail(ctl, req.id, f"fork: {exc}", fds)
-        return False
-    if pid == 0:
-        ctl.close()
-        for pidfd in children:
-            os.close(pidfd)
-        for target, fd in zip((1, 2), fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        return True
-    for fd in fds:
-        os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    children[pidfd] = pid
-    poller.register(pidfd, select.POLLIN)
-    _report(ctl, Spawned(req.id, pid), [pidfd])
-    return False
+def _take_env(req: Spawn) -> None:
+    """In a child: the request's change to the environment the zygote forked it with
+    (its rank, mostly); settings are parsed again if one of theirs changed."""
+    for name, value in req.env.items():
+        os.environ[name] = value
+    for name in req.unset:
+        os.environ.pop(name, None)
+    if any(n.startswith("AMESH_") and n not in INTERNAL for n in (*req.env, *req.unset)):
+        reset_settings()
 
 
 def _shutdown(ctl: socket.socket, children: dict[int, int]) -> None:
@@ -638,11 +740,14 @@ def main() -> None:
     # (its reference count), on a page of its own; evicting None writes one page.
     # 1,684 -> 1,612 page faults a worker, from start to its first answer.
     sys._clear_type_cache()
-    req = _serve(ctl)
+    server = _Server(ctl)
+    req = server.serve()
     if req is None:
         return
     # In a fresh child: become what `python -m amesh._worker` would have been. (Its
-    # environment and settings are the request's already: see _adopt_env.)
+    # environment and settings are its base's already, see _adopt_env: it takes the
+    # rest.)
+    _take_env(req)
     os.chdir(req.cwd)
     from .. import _worker
 
