@@ -367,32 +367,45 @@ def _shm_threshold(_: object) -> int:
     return settings().shm_threshold
 
 
-async def test_the_zygote_refuses_a_change_without_its_base_and_recovers() -> None:
-    """A request the zygote cannot read may have carried the environment that later
-    ones change: it refuses those until the controller sends a whole one again."""
+def _send_raw(zygote: Any, change: dict[str, str], base: dict[str, str] | None) -> Any:
+    """Send the zygote a request as the controller would not; its pending request."""
     import array
     import socket
 
     import msgspec
 
     from amesh._bootstrap import Bootstrap
-    from amesh._hosts import _local, _zygote
+    from amesh._hosts import _zygote
+
+    rid = next(zygote._ids)
+    req = zygote._requests[rid] = _zygote._Request()
+    boot = Bootstrap("unused", 0, "", "", "", [], 1.0, False, key=b"")
+    spawn = _zygote.Spawn(rid, change, [], base, os.getcwd(), boot)
+    zygote._sock.sendmsg(
+        [msgspec.msgpack.encode(spawn)],
+        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [1, 2]))],
+    )
+    return req
+
+
+def _zygote_of_this_runtime() -> Any:
+    from amesh._hosts import _local
     from amesh._runtime._runtime import current_runtime
 
+    zygote = _local._ZYGOTES[current_runtime()].zygote
+    assert zygote is not None and zygote._base is not None
+    return zygote
+
+
+async def test_the_zygote_refuses_a_change_without_its_base_and_recovers() -> None:
+    """A request the zygote cannot read may have carried the environment that later
+    ones change: it refuses those until the controller sends a whole one again."""
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 1}) as first:
             [before] = await facts(first)
-            zygote = _local._ZYGOTES[current_runtime()].zygote
-            assert zygote is not None and zygote._base is not None
-            rid = next(zygote._ids)
-            req = zygote._requests[rid] = _zygote._Request()
-            boot = Bootstrap("unused", 0, "", "", "", [], 1.0, False, key=b"")
-            change = _zygote.Spawn(rid, {"AMESH_TEST_X": "1"}, [], None, os.getcwd(), boot)
+            zygote = _zygote_of_this_runtime()
             zygote._sock.sendmsg([b"\xc1"])  # a byte msgpack never uses
-            zygote._sock.sendmsg(
-                [msgspec.msgpack.encode(change)],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [1, 2]))],
-            )
+            req = _send_raw(zygote, {"AMESH_TEST_X": "1"}, None)
             await req.done.wait()
             assert req.process is None
             assert req.error == "the request's environment is out of step"
@@ -402,3 +415,30 @@ async def test_the_zygote_refuses_a_change_without_its_base_and_recovers() -> No
         for worker in after:
             assert worker["ppid"] == before["ppid"]  # forked, not exec'd
             assert worker["env"]["AMESH_TEST_X"] == "2"
+
+
+async def test_an_environment_putenv_refuses_fails_its_request_not_the_zygote() -> None:
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 1}) as first:
+            c = await first.spawn("c", Counter)
+            [before] = (await c.apply.call(_facts, None)).values()
+            zygote = _zygote_of_this_runtime()
+            req = _send_raw(zygote, {}, {**os.environ, "A=B": "1"})
+            await req.done.wait()
+            assert req.process is None
+            assert req.error.startswith("its environment: ")
+            # the zygote lives, and so do its workers
+            assert (await c.apply.call(_facts, None)).values() == [before]
+            async with ProcMesh(per_host={"procs": 2}) as second:
+                after = await facts(second)
+        assert [w["ppid"] for w in after] == [before["ppid"]] * 2
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"A=B": "1"}, {"": "1"}, {"A\0": "1"}, {"A": "x\0y"}, {"A": 1}, {1: "x"}],
+    ids=["equals", "empty", "nul-name", "nul-value", "int-value", "int-name"],
+)
+def test_a_variable_that_cannot_be_set_is_refused_before_anything_starts(env: Any) -> None:
+    with pytest.raises(ValueError, match=r"^env: "):
+        ProcMesh(per_host={"procs": 1}, env=env)

@@ -69,6 +69,8 @@ __all__ = ["ProcMesh", "default_transport"]
 A = TypeVar("A", bound=Actor)
 log = logging.getLogger("amesh.mesh")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+#: what ``putenv`` takes as a name
+_ENV_NAME = re.compile(r"[^=\0]+")
 
 
 class ProcMesh(MeshView):
@@ -83,7 +85,8 @@ class ProcMesh(MeshView):
         per_host: ``{dim: size}`` of processes on the host.
         host: where the processes run; this machine by default.
         env: extra environment variables for the workers (over the settings given to
-            :func:`amesh.configure`, which they get too).
+            :func:`amesh.configure`, which they get too); a name with ``=`` or NUL, or a
+            value that is not a str without NUL, raises ValueError here.
         supervise: called with each :class:`~amesh.Failure` of this mesh (sync or
             async); return True when handled. Without it, failures go to the owning
             actor's ``__supervise__``, or escalate.
@@ -162,6 +165,11 @@ class ProcMesh(MeshView):
         #: processes per host, when the host places them on several machines
         self._group: int = getattr(self._host, "per_host", 0)
         self._env = dict(env or {})
+        for key, value in self._env.items():
+            if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"env: {key!r:.60} is not a name (a str without '=' or NUL)")
+            if not isinstance(value, str) or "\0" in value:
+                raise ValueError(f"env: {key}'s value is not a str without NUL: {value!r:.60}")
         self._supervise = supervise
         self._hb_period, self._hb_timeout = heartbeats(
             len(self._shape), heartbeat_period, heartbeat_timeout

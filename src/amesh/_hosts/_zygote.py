@@ -607,7 +607,12 @@ class _Server:
                 failed.append((-1, fds, "unreadable request"))
                 continue
             if req.base is not None:
-                _adopt_env(req.base)  # here, once: its children share it (see _adopt_env)
+                try:
+                    _adopt_env(req.base)  # here, once: its children share it (see _adopt_env)
+                except ValueError as exc:  # a name or value putenv refuses (ProcMesh checks)
+                    self.based = False
+                    failed.append((req.id, fds, f"its environment: {exc}"))
+                    continue
                 self.based = True
             elif not self.based:
                 failed.append((req.id, fds, "the request's environment is out of step"))
