@@ -442,3 +442,60 @@ async def test_an_environment_putenv_refuses_fails_its_request_not_the_zygote() 
 def test_a_variable_that_cannot_be_set_is_refused_before_anything_starts(env: Any) -> None:
     with pytest.raises(ValueError, match=r"^env: "):
         ProcMesh(per_host={"procs": 1}, env=env)
+
+
+_FDS = """
+import os, resource, sys, amesh
+from amesh import Actor, ProcMesh, endpoint
+
+class Where(Actor):
+    @endpoint
+    def ppid(self) -> int:
+        return os.getppid()
+
+async def main() -> None:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    async with ProcMesh(per_host={"procs": 1}) as small:
+        w = await small.spawn("w", Where)
+        [zygote] = (await w.ppid.call()).values()
+        # a small mesh leaves the limit alone
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft
+        try:
+            async with ProcMesh(per_host={"procs": 110}) as big:
+                w = await big.spawn("w", Where)
+                ppids = (await w.ppid.call()).values()
+        except OSError as exc:
+            print("refused:", exc, flush=True)
+            return
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    print("forked:", sorted(set(ppids)) == [zygote], "soft:", soft, flush=True)
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))
+amesh.run(main)
+"""
+
+
+@pytest.mark.parametrize("hard", [4096, 110])
+def test_a_mesh_needing_more_open_files_raises_the_limit_or_says_so(
+    tmp_path: Path, hard: int
+) -> None:
+    """A soft limit of 110 open files holds a mesh of 1, not one of 110 (~4 descriptors
+    each in the controller, a pidfd each in the zygote, which started with the small
+    one): the controller and the zygote raise theirs up to the hard limit, and where
+    that is too low the mesh is refused before anything starts, with an error that
+    says what to raise."""
+    script = tmp_path / "fds.py"
+    script.write_text(textwrap.dedent(_FDS))
+    out = subprocess.run(
+        [sys.executable, str(script), "110", str(hard)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    if hard == 4096:
+        assert out.stdout == "forked: True soft: 4096\n"
+    else:
+        assert out.stdout.startswith("refused: [Errno 24] starting these processes needs ~")
+        assert "it may open 110: raise its hard limit" in out.stdout

@@ -50,6 +50,7 @@ from .. import _codec
 from .._actor import Actor, endpoint, handlers_of
 from .._config import settings
 from .._debug import current_listener, debug_env
+from .._limits import raise_open_files
 from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
@@ -437,6 +438,7 @@ async def serve_agent(
 
     ``task_status.started`` gets the agent's address once it listens.
     """
+    raise_open_files()  # a few descriptors per worker it starts (see amesh._limits)
     scheme, host, port = parse_listen(listen)
     if route_to:
         host = address_towards(route_to)

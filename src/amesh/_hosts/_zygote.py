@@ -73,6 +73,7 @@ import msgspec
 from .._bootstrap import Bootstrap
 from .._config import INTERNAL, settings, take_internal
 from .._config import reset as reset_settings
+from .._limits import raise_open_files
 from .._transport import default_impl
 
 __all__ = [
@@ -637,7 +638,13 @@ class _Server:
         for req, fds, pid in forked:
             for fd in fds:
                 os.close(fd)
-            pidfd = os.pidfd_open(pid)
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError as exc:  # no descriptor left: nobody could supervise it
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                _fail(self.ctl, req.id, f"pidfd_open: {exc}", [])
+                continue
             self.children[pidfd] = pid
             self.poller.register(pidfd, select.POLLIN)
             _report(self.ctl, Spawned(req.id, pid), [pidfd])
@@ -735,6 +742,7 @@ def main() -> None:
     if os.getppid() != boot.controller_pid:  # the controller died before we could watch
         os._exit(1)
     sys.path[:] = boot.sys_path
+    raise_open_files()  # a pidfd per child, two descriptors per request; its children too
     ctl = socket.socket(fileno=boot.ctl_fd)
     _preload()
     # The children share these pages until they write them: keep the collector off them.

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from .. import _codec
+from .. import _codec, _limits
 from .._actor_mesh import ActorMesh
 from .._config import default_transport, exported
 from .._errors import ActorError, Failure, SupervisionError
@@ -147,8 +147,14 @@ class Lifecycle:
         return scheme, host
 
     async def start_procs(self, rt: Runtime, slots: list[int]) -> list[ProcHandle]:
-        """Start a process for each of ``slots``, in that order."""
+        """Start a process for each of ``slots``, in that order.
+
+        Raises:
+            OSError: (EMFILE) this process may not open the descriptors they need.
+        """
         n = len(slots)
+        # a host without OS processes (in-process ranks) says it needs none
+        _limits.make_room(n * getattr(self.host, "open_files_per_process", _limits.PER_PROCESS))
         scheme, host = self.scheme(rt)
         procs: list[ProcHandle | None] = [None] * n
 

@@ -120,6 +120,10 @@ class InProcessHost:
     end with it, as real workers die with their controller.
     """
 
+    #: no OS process per worker, no pidfd: the only descriptors are its transport's
+    #: (none on the memory transport), so a mesh makes no room for them (see _limits)
+    open_files_per_process = 0
+
     def __init__(self) -> None:
         self.workers: dict[int, InProcessWorker] = {}
 
