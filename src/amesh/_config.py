@@ -28,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "INTERNAL",
+    "VARIABLES",
     "ConfigError",
     "Settings",
     "configure",
@@ -229,7 +230,8 @@ def _var(name: str) -> str:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _TYPES: dict[str, type] = {name: typing.get_type_hints(Settings)[name] for name in _FIELDS}
-_VARS = tuple(_var(name) for name in _FIELDS)
+#: The environment variables of the settings, in the order of their fields.
+VARIABLES = tuple(_var(name) for name in _FIELDS)
 
 
 def _rule(name: str) -> _Rule:
@@ -337,7 +339,7 @@ def settings() -> Settings:
         return current
     values = {
         name: _parse(name, raw)
-        for name, raw in zip(_FIELDS, map(os.environ.get, _VARS))
+        for name, raw in zip(_FIELDS, map(os.environ.get, VARIABLES))
         if raw and name not in _overrides
     }
     current = _cache = Settings(**values, **_overrides)

@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
-
-try:
-    import resource
-except ImportError:  # not POSIX
-    resource = None  # type: ignore[assignment]
+import resource
 
 __all__ = ["PER_PROCESS", "make_room", "open_files", "raise_open_files"]
 
@@ -50,11 +46,11 @@ def open_files() -> int:
 def raise_open_files(needed: int | None = None) -> int:
     """Raise this process's soft limit on open files to its hard limit (only where it
     is under ``needed``, when given); the soft limit then."""
-    if resource is None:
-        return needed or 0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if needed is not None and (soft == resource.RLIM_INFINITY or soft >= needed):
-        return soft if soft != resource.RLIM_INFINITY else _NR_OPEN
+    if soft == resource.RLIM_INFINITY:
+        return _ceiling()
+    if needed is not None and soft >= needed:
+        return soft
     target = hard if hard != resource.RLIM_INFINITY else _ceiling()
     if target > soft:
         try:

@@ -71,7 +71,7 @@ import anyio
 import msgspec
 
 from .._bootstrap import Bootstrap
-from .._config import INTERNAL, settings, take_internal
+from .._config import VARIABLES, settings, take_internal
 from .._config import reset as reset_settings
 from .._limits import raise_open_files
 from .._transport import default_impl
@@ -702,7 +702,7 @@ def _take_env(req: Spawn) -> None:
         os.environ[name] = value
     for name in req.unset:
         os.environ.pop(name, None)
-    if any(n.startswith("AMESH_") and n not in INTERNAL for n in (*req.env, *req.unset)):
+    if any(name in VARIABLES for name in (*req.env, *req.unset)):
         reset_settings()
 
 

@@ -108,7 +108,12 @@ class ProcHandle:
 
 
 class Host(Protocol):
-    """Where a ProcMesh's processes come from (this machine, later agents and SLURM)."""
+    """Where a ProcMesh's processes come from (this machine, later agents and SLURM).
+
+    A host may say how many descriptors the controller holds per process it starts
+    (``open_files_per_process``; :data:`amesh._limits.PER_PROCESS` if it does not, 0
+    for ranks that are no OS process), for the room a mesh makes before it starts.
+    """
 
     async def start_proc(
         self,
