@@ -79,6 +79,44 @@ async def test_workers_are_forked_by_one_single_threaded_zygote() -> None:
         assert zygote not in child_pids()
 
 
+def _descriptors(_: object) -> dict[int, str]:
+    """What each of a worker's descriptors is (run in the worker)."""
+    seen = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            seen[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own, closed meanwhile
+            pass
+    return seen
+
+
+async def test_a_forked_worker_holds_none_of_the_zygotes_descriptors() -> None:
+    """Its control socket, a pidfd for each worker it forked before, and the other
+    requests' stdout and stderr stay in the zygote; only the lifeline (stdin) and the
+    worker's own stdout and stderr come along. (24 workers first: their pidfds take
+    numbers above the control socket's, and the next requests' higher still.)"""
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 24}) as first:
+            zygote = (await facts(first))[0]["ppid"]
+            async with ProcMesh(per_host={"procs": 3}) as second:
+                c = await second.spawn("fds", Counter)
+                workers = (await c.apply.call(_descriptors, None)).values()
+                theirs = {}
+                for fd in os.listdir(f"/proc/{zygote}/fd"):
+                    theirs[int(fd)] = os.readlink(f"/proc/{zygote}/fd/{fd}")
+    mine = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)}
+    assert list(theirs.values()).count("anon_inode:[pidfd]") == 27
+    sockets = {t for fd, t in theirs.items() if fd > 2 and t.startswith("socket:")}
+    assert sockets, "the zygote's control socket"
+    for fds in workers:
+        assert fds[0] == theirs[0]  # the lifeline
+        assert "anon_inode:[pidfd]" not in fds.values()
+        assert not sockets & set(fds.values())
+        # the controller's stdout and stderr, as the capture keeps them: its own pair only
+        # (a request's pair for each worker forked in the same batch, if they leaked)
+        assert sorted(t for t in fds.values() if t in mine.values()) == sorted(mine.values())
+
+
 async def test_environment_cwd_and_path_are_the_controllers_at_each_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

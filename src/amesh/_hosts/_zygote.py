@@ -536,6 +536,8 @@ class _Server:
         self.based = False
         #: the requests read and not yet forked
         self.batch: list[tuple[Spawn | None, list[int]]] = []
+        #: no descriptor of this process is above this one (a child closes up to it)
+        self.top = ctl.fileno()
 
     def serve(self) -> Spawn | None:
         """None in the zygote when it should exit, and the request in each child.
@@ -583,6 +585,8 @@ class _Server:
                 for fd in fds:
                     os.close(fd)
                 fds = []
+            elif fds:
+                self.top = max(self.top, *fds)
             try:
                 batch.append((msgspec.msgpack.decode(data, type=Spawn), fds))
             except msgspec.DecodeError:  # cannot happen: requests are under _MAX_REQUEST
@@ -646,22 +650,21 @@ class _Server:
                 _fail(self.ctl, req.id, f"pidfd_open: {exc}", [])
                 continue
             self.children[pidfd] = pid
+            self.top = max(self.top, pidfd)
             self.poller.register(pidfd, select.POLLIN)
             _report(self.ctl, Spawned(req.id, pid), [pidfd])
         return None
 
     def _become_child(self, fds: list[int]) -> None:
-        """Close what is the zygote's, and make ``fds`` stdout and stderr."""
-        self.ctl.close()
-        for pidfd in self.children:
-            os.close(pidfd)
-        for _, others in self.batch:
-            if others is not fds:
-                for fd in others:
-                    os.close(fd)
+        """Make ``fds`` stdout and stderr, and close every other descriptor above 2:
+        all are the zygote's (its control socket, its children's pidfds, the batch's
+        descriptors). One ``close_range`` (Linux 5.9; elsewhere a loop in C up to
+        :attr:`top`): closing the pidfds one by one cost every child ~0.3 µs a child
+        forked before it."""
         for target, fd in zip((1, 2), fds):
             os.dup2(fd, target)
-            os.close(fd)
+        self.ctl.detach()  # (its number is closed below, not by the object)
+        os.closerange(3, self.top + 1)
 
 
 def _adopt_env(env: dict[str, str]) -> None:
