@@ -17,7 +17,13 @@ settings: event-loop streams, fan-out 16):
 - ``bcast_per_s``: broadcast deliveries per second (``--casts`` broadcasts to all N
   ranks, then a call that sees every one delivered);
 - ``pss_mib_per_worker``: PSS of the workers (``/proc/<pid>/smaps_rollup``) divided by N;
-- ``stop_s``: leaving the ``ProcMesh`` block: every worker stopped and gone.
+- ``stop_s``: leaving the ``ProcMesh`` block: every worker stopped and gone;
+- ``spawn_cpu_ms`` and ``spawn_faults``: a worker's CPU (as ``floor_ms``) and page faults
+  (``/proc/PID/stat``) from its start to its first answer, medians. The faults are
+  mostly the copies of the zygote's pages it writes, and do not change from run to run;
+  the CPU does, with what a fresh page costs the machine: ~10 ms a worker here once
+  the VM's memory is in use, about twice that where its host backs each page at the
+  first touch (see bench/README.md).
 
 Then a 4,096-rank mesh of in-process workers (``amesh.testing.InProcessHost`` on the
 memory transport): the frames the controller sends per broadcast and per ``call()``
@@ -112,6 +118,15 @@ def _pss_mib(pids: list[int]) -> float:
     return kib / 1024
 
 
+def _faults(pid: int) -> int:
+    """Minor page faults of process ``pid``, every thread of it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except OSError:
+        return 0
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -142,6 +157,7 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             nodes = await procs.spawn("nodes", Node)
             await nodes.noop.call()
             spawn = time.perf_counter() - t0
+            started = [(_proc_cpu(pid), _faults(pid)) for pid in procs.pids]
             for _ in range(3):
                 await nodes.noop.call()
             me = os.getpid()
@@ -177,6 +193,8 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             "bcast_per_s": casts * n / cast_s,
             "pss_mib_per_worker": pss,
             "stop_s": stop,
+            "spawn_cpu_ms": _pct([c for c, _ in started], 0.5) * 1e3,
+            "spawn_faults": _pct([float(f) for _, f in started], 0.5),
         }
 
     result: dict[str, Any] = amesh.run(main)
@@ -269,6 +287,15 @@ def main() -> None:
             f"| {r['cpu_per_call_ms']:.1f} | {r['floor_ms']:.1f} | {r['worker_cpu_us']:.0f} "
             f"| {r['bcast_per_s']:,.0f} "
             f"| {r['pss_mib_per_worker']:.1f} | {r['stop_s']:.2f} |"
+        )
+    spawned = [r for r in rows if "spawn_faults" in r]
+    if spawned:
+        print(
+            "\na worker's CPU and page faults from its start to its first answer "
+            "(medians): "
+            + "; ".join(
+                f"{r['n']}: {r['spawn_cpu_ms']:.1f} ms, {r['spawn_faults']:,.0f}" for r in spawned
+            )
         )
     for r in rows:
         if "frames_per_cast" in r:
