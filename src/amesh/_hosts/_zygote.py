@@ -659,7 +659,7 @@ class _Server:
         """Make ``fds`` stdout and stderr, and close every other descriptor above 2:
         all are the zygote's (its control socket, its children's pidfds, the batch's
         descriptors). One ``close_range`` (Linux 5.9; elsewhere a loop in C up to
-        :attr:`top`): closing the pidfds one by one cost every child ~0.3 µs a child
+        :attr:`top`): closing the pidfds one by one cost every child ~0.5 µs a child
         forked before it."""
         for target, fd in zip((1, 2), fds):
             os.dup2(fd, target)
