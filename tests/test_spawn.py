@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -537,3 +538,84 @@ def test_a_mesh_needing_more_open_files_raises_the_limit_or_says_so(
     else:
         assert out.stdout.startswith("refused: [Errno 24] starting these processes needs ~")
         assert "it may open 110: raise its hard limit" in out.stdout
+
+
+_NPROC = """
+import os, resource, sys, amesh
+from amesh import Actor, ProcMesh, endpoint
+
+class Limit(Actor):
+    @endpoint
+    def soft(self) -> int:
+        return resource.getrlimit(resource.RLIMIT_NPROC)[0]
+
+def soft() -> int:
+    return resource.getrlimit(resource.RLIMIT_NPROC)[0]
+
+async def main() -> None:
+    async with ProcMesh(per_host={"procs": 1}) as small:
+        w = await small.spawn("w", Limit)
+        # a small mesh leaves the limit alone (the zygote, started now, raises its own)
+        print("small:", soft(), (await w.soft.call()).values(), flush=True)
+        try:
+            async with ProcMesh(per_host={"procs": 16}) as big:
+                w = await big.spawn("w", Limit)
+                print("big:", soft(), sorted(set((await w.soft.call()).values())), flush=True)
+        except OSError as exc:
+            print("refused:", exc, flush=True)
+
+resource.setrlimit(resource.RLIMIT_NPROC, (int(sys.argv[1]), int(sys.argv[2])))
+amesh.run(main)
+"""
+
+#: run "$@" as nobody, in a mount namespace of its own where /root (mode 700 here)
+#: is an empty tmpfs and the interpreter's tree under it is mounted back
+_AS_NOBODY = """
+set -e
+mount --bind "$PYROOT" "$SPARE"
+mount -t tmpfs -o mode=755 tmpfs /root
+mkdir -p "$PYROOT"
+mount --bind "$SPARE" "$PYROOT"
+exec setpriv --reuid=65534 --regid=65534 --clear-groups "$@"
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching to another uid needs root")
+@pytest.mark.parametrize(("hard", "zygote"), [(4096, "1"), (4096, "0"), (60, "1")])
+def test_a_mesh_needing_more_threads_than_the_users_soft_limit_raises_it_or_says_so(
+    tmp_path: Path, hard: int, zygote: str
+) -> None:
+    """The kernel counts a user's threads against RLIMIT_NPROC (never root's, so the
+    controller runs as nobody here). A mesh of 1 fits a soft limit of 60; one of 16
+    (~80 threads) does not: the controller raises its limit to the hard one, and so
+    did the zygote when the first mesh started it; their workers inherit it (forked, or
+    exec'd with AMESH_ZYGOTE=0). Where the hard limit is too low the mesh is refused
+    before anything starts, with what to raise."""
+    prefix = Path(sys.base_prefix).resolve()
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    env = {**os.environ, "PYROOT": str(prefix.parent), "SPARE": str(spare)}
+    env["AMESH_ZYGOTE"] = zygote
+    isolated = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _AS_NOBODY, "sh"]
+    out = subprocess.run(
+        [*isolated, sys.executable, "-c", _NPROC, "60", str(hard)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        cwd="/",
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    small, big = out.stdout.splitlines()
+    # a forked worker has the zygote's limit, raised to the hard one; an exec'd one the
+    # controller's, still 60
+    assert small == f"small: 60 [{hard if zygote == '1' else 60}]", out.stderr[-3000:]
+    if hard == 4096:
+        assert big == "big: 4096 [4096]", out.stderr[-3000:]
+    else:
+        assert big.startswith("refused: [Errno 11] starting these processes needs ~80 more")
+        assert "may run 60: raise the hard process limit (`ulimit -Hu`" in big
+        # nobody's threads: the controller's, the zygote and the first mesh's worker (5)
+        running = re.search(r"who runs (\d+) already", big)
+        assert running is not None and int(running.group(1)) >= 7, big

@@ -1,4 +1,5 @@
-"""How many files a process may open, and making room for a mesh.
+"""How many files a process may open and how many threads its user may run, and making
+room for a mesh.
 
 A controller holds about four descriptors per process it starts (the connection, the
 pidfd its zygote hands over, ...), a zygote one per child, a host agent a few per
@@ -14,6 +15,17 @@ EMFILE somewhere in the middle of the start. So, as Ray does:
 
 A process that never needs more descriptors opens no more of them, whatever its limit:
 code that still uses ``select.select`` (descriptors under 1,024 only) is not affected.
+
+Processes: Linux counts a user's threads against its ``RLIMIT_NPROC`` (``ulimit -u``),
+which some distributions set to 4,096 for users other than root; a worker runs ~5
+threads, so ~800 local workers reach it, and the next fork or thread start fails with
+EAGAIN in the middle of the start. So a controller raises its soft limit up to the hard
+one before it starts local processes that need it, and refuses a mesh that the hard
+limit cannot hold next to what the user runs already, before anything starts
+(:func:`make_room`); a zygote and a host agent raise theirs when they start
+(:func:`raise_processes`).
+The kernel does not apply the limit to root (or to a process with ``CAP_SYS_RESOURCE``
+or ``CAP_SYS_ADMIN``).
 """
 
 from __future__ import annotations
@@ -22,13 +34,25 @@ import errno
 import os
 import resource
 
-__all__ = ["PER_PROCESS", "make_room", "open_files", "raise_open_files"]
+__all__ = [
+    "PER_PROCESS",
+    "TASKS_PER_PROCESS",
+    "make_room",
+    "open_files",
+    "raise_open_files",
+    "raise_processes",
+]
 
 #: Descriptors a controller holds per process it starts (~4.1 measured with a local
 #: mesh of 64), rounded up.
 PER_PROCESS = 5
 #: Descriptors kept free for everything else.
 SPARE = 64
+#: Threads a local worker runs (its loop's, the output reader, the heartbeat writer and
+#: its watch, the parent watch).
+TASKS_PER_PROCESS = 5
+#: Capability bits that lift RLIMIT_NPROC: CAP_SYS_ADMIN, CAP_SYS_RESOURCE.
+_EXEMPT_CAPS = (1 << 21) | (1 << 24)
 #: The kernel's ceiling where the hard limit is "unlimited" (``fs.nr_open``'s default).
 _NR_OPEN = 1 << 20
 
@@ -61,24 +85,110 @@ def raise_open_files(needed: int | None = None) -> int:
     return soft
 
 
-def make_room(descriptors: int) -> None:
+def raise_processes() -> int:
+    """Raise this process's soft limit on the user's processes and threads to its hard
+    limit; the soft limit then (``RLIM_INFINITY`` for none)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+        try:
+            resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def make_room(descriptors: int, tasks: int = 0) -> None:
     """Make room in this process's descriptor table for ``descriptors`` more (a
-    mesh's: :data:`PER_PROCESS` per process), and some to spare.
+    mesh's: :data:`PER_PROCESS` per process), and some to spare; and, for ``tasks``
+    more threads of this user on this machine (:data:`TASKS_PER_PROCESS` per local
+    process), in its process limit.
 
     Raises:
-        OSError: (EMFILE) its hard limit cannot hold them.
+        OSError: (EMFILE) its hard limit on open files cannot hold them; (EAGAIN) its
+            hard limit on processes cannot hold the user's threads and ``tasks``.
     """
-    if descriptors <= 0:
+    if descriptors > 0:
+        needed = open_files() + descriptors + SPARE
+        soft = raise_open_files(needed)
+        if soft < needed:
+            raise OSError(
+                errno.EMFILE,
+                f"starting these processes needs ~{needed} open files in this process, "
+                f"and it may open {soft}: raise its hard limit (`ulimit -Hn`, or a "
+                "service's LimitNOFILE)",
+            )
+    if tasks > 0:
+        _room_for_tasks(tasks)
+
+
+def _room_for_tasks(tasks: int) -> None:
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if soft == resource.RLIM_INFINITY or _exempt():
         return
-    needed = open_files() + descriptors + SPARE
-    soft = raise_open_files(needed)
-    if soft < needed:
+    if _system_tasks() + tasks <= soft:  # every thread of the machine's: no need to count
+        return
+    running = _user_tasks()
+    if running + tasks <= soft:
+        return
+    soft = raise_processes()
+    if soft != resource.RLIM_INFINITY and running + tasks > soft:
         raise OSError(
-            errno.EMFILE,
-            f"starting these processes needs ~{needed} open files in this process, and "
-            f"it may open {soft}: raise its hard limit (`ulimit -Hn`, or a service's "
-            "LimitNOFILE)",
+            errno.EAGAIN,
+            f"starting these processes needs ~{tasks} more threads of this user's, who "
+            f"runs {running} already and may run {soft}: raise the hard process limit "
+            "(`ulimit -Hu`, or a service's LimitNPROC)",
         )
+
+
+def _system_tasks() -> int:
+    """Threads on this machine, every user's (``/proc/loadavg``): a bound on the user's,
+    read in one go (where it cannot be read, a bound that never fits)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[1])
+    except (OSError, ValueError, IndexError):
+        return 1 << 62
+
+
+def _exempt() -> bool:
+    """Whether the kernel lets this process exceed RLIMIT_NPROC (root, or the
+    capabilities that lift it)."""
+    if os.getuid() == 0:
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) & _EXEMPT_CAPS)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _user_tasks() -> int:
+    """Threads of this process's real user on this machine, as the kernel counts them
+    against RLIMIT_NPROC (0 where ``/proc`` cannot tell)."""
+    uid, total = os.getuid(), 0
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                mine = False
+                for line in f:
+                    if line.startswith("Uid:"):
+                        mine = int(line.split()[1]) == uid
+                        if not mine:
+                            break
+                    elif line.startswith("Threads:"):
+                        total += int(line.split()[1])
+                        break
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return total
 
 
 def _ceiling() -> int:

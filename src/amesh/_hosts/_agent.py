@@ -50,7 +50,7 @@ from .. import _codec
 from .._actor import Actor, endpoint, handlers_of
 from .._config import settings
 from .._debug import current_listener, debug_env
-from .._limits import raise_open_files
+from .._limits import raise_open_files, raise_processes
 from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
@@ -439,6 +439,7 @@ async def serve_agent(
     ``task_status.started`` gets the agent's address once it listens.
     """
     raise_open_files()  # a few descriptors per worker it starts (see amesh._limits)
+    raise_processes()  # and each worker's threads count against the user's limit
     scheme, host, port = parse_listen(listen)
     if route_to:
         host = address_towards(route_to)

@@ -27,6 +27,7 @@ from .. import _wire
 from .._bootstrap import Bootstrap
 from .._debug import debug_env
 from .._errors import SupervisionError
+from .._limits import TASKS_PER_PROCESS
 from .._mesh._host import ProcessLike, ProcHandle, exit_cause, set_default_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
@@ -104,6 +105,9 @@ class ReadyWaiter:
 
 class LocalHost:
     """This machine. ``spawn_procs`` gives a :class:`~amesh.ProcMesh` on it."""
+
+    #: its workers' threads count against this user's process limit (see _limits)
+    tasks_per_process = TASKS_PER_PROCESS
 
     def __repr__(self) -> str:
         return "<LocalHost>"

@@ -73,7 +73,7 @@ import msgspec
 from .._bootstrap import Bootstrap
 from .._config import VARIABLES, settings, take_internal
 from .._config import reset as reset_settings
-from .._limits import raise_open_files
+from .._limits import raise_open_files, raise_processes
 from .._transport import default_impl
 
 __all__ = [
@@ -746,6 +746,7 @@ def main() -> None:
         os._exit(1)
     sys.path[:] = boot.sys_path
     raise_open_files()  # a pidfd per child, two descriptors per request; its children too
+    raise_processes()  # its children and their threads count against its user's limit
     ctl = socket.socket(fileno=boot.ctl_fd)
     _preload()
     # The children share these pages until they write them: keep the collector off them.

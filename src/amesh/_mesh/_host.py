@@ -112,7 +112,9 @@ class Host(Protocol):
 
     A host may say how many descriptors the controller holds per process it starts
     (``open_files_per_process``; :data:`amesh._limits.PER_PROCESS` if it does not, 0
-    for ranks that are no OS process), for the room a mesh makes before it starts.
+    for ranks that are no OS process), and how many threads each of its processes adds
+    to the user's count on this machine (``tasks_per_process``; 0 if it does not, as
+    for processes on other machines), for the room a mesh makes before it starts.
     """
 
     async def start_proc(

@@ -150,11 +150,15 @@ class Lifecycle:
         """Start a process for each of ``slots``, in that order.
 
         Raises:
-            OSError: (EMFILE) this process may not open the descriptors they need.
+            OSError: (EMFILE) this process may not open the descriptors they need;
+                (EAGAIN) this user may not run the threads they need.
         """
         n = len(slots)
         # a host without OS processes (in-process ranks) says it needs none
-        _limits.make_room(n * getattr(self.host, "open_files_per_process", _limits.PER_PROCESS))
+        _limits.make_room(
+            n * getattr(self.host, "open_files_per_process", _limits.PER_PROCESS),
+            n * getattr(self.host, "tasks_per_process", 0),
+        )
         scheme, host = self.scheme(rt)
         procs: list[ProcHandle | None] = [None] * n
 
