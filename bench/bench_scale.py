@@ -72,12 +72,20 @@ def _proc_cpu(pid: int) -> float:
             except OSError:
                 continue  # a thread that ended meanwhile
         return total_ns / 1e9
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+    fields = _stat(pid)
+    if not fields:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLK  # utime, stime
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name (state first; none once
+    the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
 
 
 def _tree_cpu(root: int) -> float:
@@ -90,12 +98,9 @@ def _descendants(root: int) -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        children.setdefault(ppid, []).append(int(name))
+        fields = _stat(int(name))
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(name))
     out, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -120,11 +125,8 @@ def _pss_mib(pids: list[int]) -> float:
 
 def _faults(pid: int) -> int:
     """Minor page faults of process ``pid``, every thread of it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[7])
-    except OSError:
-        return 0
+    fields = _stat(pid)
+    return int(fields[7]) if fields else 0
 
 
 def _pct(xs: list[float], q: float) -> float:

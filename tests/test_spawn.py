@@ -544,13 +544,13 @@ _NPROC = """
 import os, resource, sys, amesh
 from amesh import Actor, ProcMesh, endpoint
 
+def soft() -> int:
+    return resource.getrlimit(resource.RLIMIT_NPROC)[0]
+
 class Limit(Actor):
     @endpoint
     def soft(self) -> int:
-        return resource.getrlimit(resource.RLIMIT_NPROC)[0]
-
-def soft() -> int:
-    return resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        return soft()
 
 async def main() -> None:
     async with ProcMesh(per_host={"procs": 1}) as small:

@@ -177,13 +177,10 @@ def _user_tasks() -> int:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/status") as f:
-                mine = False
-                for line in f:
-                    if line.startswith("Uid:"):
-                        mine = int(line.split()[1]) == uid
-                        if not mine:
-                            break
-                    elif line.startswith("Threads:"):
+                for line in f:  # ("Uid:" comes before "Threads:")
+                    if line.startswith("Uid:") and int(line.split()[1]) != uid:
+                        break
+                    if line.startswith("Threads:"):
                         total += int(line.split()[1])
                         break
         except (OSError, ValueError):  # gone meanwhile

@@ -174,11 +174,12 @@ _FromZygote = Hello | Spawned | SpawnFailed | Exited
 
 
 def _recv(
-    sock: socket.socket, size: int, maxfds: int, flags: int = 0
+    sock: socket.socket, size: int, maxfds: int, how: int = 0
 ) -> tuple[bytes, list[int], int]:
-    """One message, its descriptors (close-on-exec) and the flags."""
+    """One message, its descriptors (close-on-exec) and the message's flags; ``how``:
+    more flags for ``recvmsg`` (MSG_DONTWAIT)."""
     msg, ancdata, flags, _ = sock.recvmsg(
-        size, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC | flags
+        size, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC | how
     )
     fds = array.array("i")
     for level, kind, data in ancdata:
