@@ -434,6 +434,47 @@ def test_a_sender_that_ends_leaves_no_segment(end: str) -> None:
     assert shm_files() == set()
 
 
+FORKER = """
+import os, threading
+from amesh import _codec
+
+p = _codec.dumps(os.urandom(1 << 21), shm=True)  # pooled, then read through a mapping
+assert _codec.loads(p.data, p.buffers) and _codec._pool and _codec._maps and _codec._made
+free = _codec._maps_lock
+held, done = threading.Event(), threading.Event()
+
+def hold():
+    with _codec._lock:  # held by a thread the child will not have
+        held.set()
+        done.wait()
+
+t = threading.Thread(target=hold)
+t.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    ok = _codec._pool == {} and _codec._made == set() and len(_codec._maps) == 0
+    ok = ok and _codec._maps_lock is free  # a free lock is kept, not made anew
+    if _codec._lock.acquire(timeout=5):  # a new lock: the old one stays held
+        _codec._lock.release()
+        ok = ok and _codec.release_segments() == 0  # nothing of its parent's is its
+    else:
+        ok = False
+    os._exit(0 if ok else 3)
+done.set()
+t.join()
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), len(_codec._pool), flush=True)
+assert _codec.release_segments() == 1
+"""
+
+
+def test_a_forked_child_drops_its_parents_segments_and_held_locks() -> None:
+    out = subprocess.run([sys.executable, "-c", FORKER], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1"]  # the child passed; the parent's pool intact
+    assert shm_files() == set()
+
+
 def test_small_builtin_values_take_the_c_pickler_alone() -> None:
     """Scalars, short strings and bytes in small containers: one pickle, nothing out of
     band, loaded back equal; anything else (or anything big) takes the full path."""
