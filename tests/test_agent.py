@@ -5,6 +5,7 @@ The agents run as real processes listening on loopback tcp; each stands for a ma
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -22,6 +23,7 @@ import pytest
 
 import amesh
 from amesh import SupervisionError
+from amesh._limits import TASKS_PER_PROCESS
 from amesh._runtime._runtime import open_runtime
 from amesh._transport import open_transport
 from amesh._transport._auth import job_key, read_key_file
@@ -29,6 +31,7 @@ from amesh._transport._hybrid import HybridTransport
 from amesh._transport._tags import dial_part, tag_of
 
 from .actors import Counter
+from .test_spawn import _pids_hierarchy, _remove_groups
 
 pytestmark = pytest.mark.anyio
 
@@ -56,11 +59,21 @@ def shared_key(tmp_path: Path) -> Path:
 class Agent:
     """An ``amesh agent`` process on loopback; a thread collects what it logs."""
 
-    def __init__(self, key: Path, grace: float = 5.0, scheme: str = "tcp", port: int = 0) -> None:
+    def __init__(
+        self,
+        key: Path,
+        grace: float = 5.0,
+        scheme: str = "tcp",
+        port: int = 0,
+        cgroup: Path | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.addr = f"{scheme}://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "amesh", "agent", "--listen", self.addr]
         cmd += ["--key-file", str(key), "--grace", str(grace)]
+        if cgroup is not None:  # it starts in that control group
+            enter = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
+            cmd = ["sh", "-c", enter, "sh", str(cgroup), *cmd]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         self._logged = threading.Condition()
@@ -361,6 +374,55 @@ async def main():
 
 anyio.run(main)
 """
+
+
+def nng_threads(pid: int) -> int:
+    names = [(p / "comm").read_text() for p in Path(f"/proc/{pid}/task").iterdir()]
+    return sum(name.startswith("nng:") for name in names)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a control group needs root")
+async def test_a_mesh_a_hosts_pids_cap_cannot_hold_is_refused_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """An agent in a control group capped with room for one worker's threads: a mesh
+    of two processes on its host is refused before either starts, naming the host
+    and the cap; one of one runs."""
+    key = shared_key(tmp_path)
+    group = _pids_hierarchy() / f"amesh-test-{os.getpid()}-{os.urandom(4).hex()}"
+    group.mkdir()
+    try:
+        with anyio.fail_after(120):
+            async with AsyncExitStack() as stack:
+                agent = Agent(key, cgroup=group)
+                stack.callback(agent.stop)
+                await agent.listening()
+                # room for one worker's threads (and its zygote's, and a few), not two
+                worker = TASKS_PER_PROCESS + nng_threads(agent.proc.pid)
+                running = int((group / "pids.current").read_text())
+                (group / "pids.max").write_text(str(running + worker + 4))
+                await stack.enter_async_context(tcp_runtime())
+                hosts = await amesh.attach([agent.addr], key_file=str(key))
+                with pytest.raises(OSError) as refused:
+                    async with hosts.spawn_procs({"gpus": 2}):
+                        pass
+                message = str(refused.value)
+                assert refused.value.errno == errno.EAGAIN
+                host = hosts.hosts[0]["host"]
+                assert (
+                    f"on host {host}: starting these processes needs ~{2 * worker} more" in message
+                )
+                assert f"the control group {group} lets its processes run" in message
+                assert (await hosts._agents.info.call_one())["workers"] == []  # none started
+                async with hosts.spawn_procs({"gpus": 1}) as procs:
+                    c = await procs.spawn("c", Counter)
+                    assert list((await c.incr.call()).values()) == [1]
+                    # what the worker runs: no more than counted
+                    (pid,) = procs.pids
+                    threads = len(os.listdir(f"/proc/{pid}/task"))
+                    assert threads <= worker, (threads, worker)
+    finally:
+        _remove_groups([group])
 
 
 async def test_an_agent_refuses_a_controller_without_the_key(tmp_path: Path) -> None:

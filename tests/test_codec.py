@@ -435,7 +435,7 @@ def test_a_sender_that_ends_leaves_no_segment(end: str) -> None:
 
 
 FORKER = """
-import os, threading
+import os, signal, threading
 from amesh import _codec
 
 p = _codec.dumps(os.urandom(1 << 21), shm=True)  # pooled, then read through a mapping
@@ -453,6 +453,7 @@ t.start()
 held.wait()
 pid = os.fork()
 if pid == 0:
+    signal.alarm(20)  # a hang here ends this child too, not only its parent
     ok = _codec._pool == {} and _codec._made == set() and len(_codec._maps) == 0
     ok = ok and _codec._maps_lock is free  # a free lock is kept, not made anew
     if _codec._lock.acquire(timeout=5):  # a new lock: the old one stays held

@@ -619,3 +619,85 @@ def test_a_mesh_needing_more_threads_than_the_users_soft_limit_raises_it_or_says
         # nobody's threads: the controller's, the zygote and the first mesh's worker (5)
         running = re.search(r"who runs (\d+) already", big)
         assert running is not None and int(running.group(1)) >= 7, big
+
+
+_PIDS = """
+import amesh
+from amesh import Actor, ProcMesh, endpoint
+from amesh._limits import pids_cap
+
+class Cap(Actor):
+    @endpoint
+    def cap(self) -> tuple[str, int] | None:
+        cap = pids_cap()
+        return None if cap is None else (cap.path, cap.limit)
+
+async def main() -> None:
+    async with ProcMesh(per_host={"procs": 2}) as small:
+        w = await small.spawn("w", Cap)
+        print("small:", sorted(set((await w.cap.call()).values())), flush=True)
+        try:
+            async with ProcMesh(per_host={"procs": 16}) as big:
+                print("big: started", flush=True)
+        except OSError as exc:
+            print("refused:", exc, flush=True)
+
+amesh.run(main)
+"""
+
+
+def _pids_hierarchy() -> Path:
+    """Where this machine's pids controller is mounted (cgroup v1's hierarchy, or
+    v2's root where it hands the controller down)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fstype, _, options = right.split()[:3]
+        point = Path(left.split()[4])
+        if fstype == "cgroup" and "pids" in options.split(","):
+            return point
+        if fstype == "cgroup2" and "pids" in (point / "cgroup.subtree_control").read_text():
+            return point
+    raise AssertionError("no pids controller to make a control group with")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a control group needs root")
+def test_a_mesh_its_control_groups_pids_cap_cannot_hold_is_refused_before_it_starts() -> None:
+    """A control group's pids.max caps root too, and no process inside may raise it: a
+    mesh of 16 (~80 threads) under a cap of 60 is refused with the cap it met, before
+    any of its processes starts (not a worker dying in the middle of its start with
+    "can't start new thread"); one of 2 runs, and its workers see the cap, set on the
+    group above their own."""
+    capped = _pids_hierarchy() / f"amesh-test-{os.getpid()}-{os.urandom(4).hex()}"
+    inner = capped / "inner"  # (uncapped: the cap is found above it)
+    inner.mkdir(parents=True)
+    try:
+        (capped / "pids.max").write_text("60")
+        enter = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
+        out = subprocess.run(
+            ["sh", "-c", enter, "sh", inner, sys.executable, "-c", _PIDS],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            stdin=subprocess.DEVNULL,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        small, big = out.stdout.splitlines()
+        assert small == f"small: [('{capped}', 60)]", out.stderr[-3000:]
+        assert big.startswith("refused: [Errno 11] starting these processes needs ~80 more")
+        assert f"the control group {capped} lets its processes run 60," in big
+        assert "raise its pids.max" in big
+        # counted: the controller, the zygote and the first mesh's two workers (5 each)
+        running = re.search(r"run 60, (\d+) of which run already", big)
+        assert running is not None and 12 <= int(running.group(1)) < 60, big
+    finally:
+        _remove_groups([inner, capped])
+
+
+def _remove_groups(groups: list[Path]) -> None:
+    """Kill what is left in each group (only where the test failed), and remove it."""
+    for group in groups:
+        pids = [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        assert all(wait_pid_gone(pid, 10) for pid in pids)
+        group.rmdir()

@@ -26,6 +26,12 @@ limit cannot hold next to what the user runs already, before anything starts
 (:func:`raise_processes`).
 The kernel does not apply the limit to root (or to a process with ``CAP_SYS_RESOURCE``
 or ``CAP_SYS_ADMIN``).
+
+A container, a systemd service or a batch job may also cap the tasks of its control
+group (``pids.max``: Docker's ``--pids-limit``, systemd's ``TasksMax``, a Kubernetes
+pod's PID limit), for root as for anyone, and nothing inside may raise it. So a mesh
+whose local processes would not fit under the tightest such cap, next to the tasks
+running under it already, is refused before anything starts, with the cap it met.
 """
 
 from __future__ import annotations
@@ -33,14 +39,18 @@ from __future__ import annotations
 import errno
 import os
 import resource
+from typing import NamedTuple
 
 __all__ = [
     "PER_PROCESS",
     "TASKS_PER_PROCESS",
+    "PidsCap",
     "make_room",
     "open_files",
+    "pids_cap",
     "raise_open_files",
     "raise_processes",
+    "room_under_pids_cap",
 ]
 
 #: Descriptors a controller holds per process it starts (~4.1 measured with a local
@@ -122,7 +132,25 @@ def make_room(descriptors: int, tasks: int = 0) -> None:
         _room_for_tasks(tasks)
 
 
+def room_under_pids_cap(tasks: int) -> None:
+    """Check that this process's control groups let it start ``tasks`` more threads.
+
+    Raises:
+        OSError: (EAGAIN) a ``pids.max`` over it cannot hold them, with what to raise.
+    """
+    cap = pids_cap()
+    if cap is not None and cap.limit - cap.current < tasks:
+        raise OSError(
+            errno.EAGAIN,
+            f"starting these processes needs ~{tasks} more threads, and the control "
+            f"group {cap.path} lets its processes run {cap.limit}, {cap.current} of "
+            "which run already: raise its pids.max (a container's --pids-limit, a "
+            "service's TasksMax, a pod's PID limit)",
+        )
+
+
 def _room_for_tasks(tasks: int) -> None:
+    room_under_pids_cap(tasks)
     soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     if soft == resource.RLIM_INFINITY or _exempt():
         return
@@ -194,3 +222,65 @@ def _ceiling() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return _NR_OPEN
+
+
+class PidsCap(NamedTuple):
+    """A control group's cap on the tasks (threads) of its processes."""
+
+    path: str  #: its directory
+    limit: int  #: its ``pids.max``
+    current: int  #: its ``pids.current``: the tasks under it now
+
+
+def pids_cap(pid: int | str = "self") -> PidsCap | None:
+    """The tightest ``pids.max`` over the control group of process ``pid`` and those
+    above it (the one with the least room left), or None where none is capped or
+    none can be read (no ``pids`` controller, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            groups = f.read().splitlines()
+        with open(f"/proc/{pid}/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    v1 = v2 = None  # (the hierarchy's path mounted, where) of the pids controller's
+    for line in mounts:
+        fields, _, fs = line.partition(" - ")
+        left, right = fields.split(), fs.split()
+        if len(left) < 5 or len(right) < 3:
+            continue
+        if right[0] == "cgroup" and "pids" in right[2].split(",") and v1 is None:
+            v1 = (left[3], left[4])
+        elif right[0] == "cgroup2" and v2 is None:
+            v2 = (left[3], left[4])
+    for line in groups:  # "id:controllers:path"; cgroup v2's is "0::path"
+        _, controllers, path = line.split(":", 2)
+        if v1 is not None and "pids" in controllers.split(","):
+            return _tightest(*v1, path)
+        if v1 is None and v2 is not None and controllers == "":
+            return _tightest(*v2, path)
+    return None
+
+
+def _tightest(root: str, mount: str, path: str) -> PidsCap | None:
+    """The capped group with the least room from ``path`` (a group in the hierarchy
+    whose ``root`` is mounted at ``mount``) up to the mount."""
+    if root != "/" and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :]  # (a container that sees its own group as the root)
+    here = os.path.normpath(mount + "/" + path.lstrip("/"))
+    best: PidsCap | None = None
+    while here == mount or here.startswith(mount + "/"):
+        try:
+            with open(os.path.join(here, "pids.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(os.path.join(here, "pids.current")) as f:
+                    cap = PidsCap(here, int(limit), int(f.read()))
+                if best is None or cap.limit - cap.current < best.limit - best.current:
+                    best = cap
+        except (OSError, ValueError):  # the root group (no pids.max), or gone
+            pass
+        if here == mount:
+            break
+        here = os.path.dirname(here)
+    return best

@@ -50,7 +50,7 @@ from .. import _codec
 from .._actor import Actor, endpoint, handlers_of
 from .._config import settings
 from .._debug import current_listener, debug_env
-from .._limits import raise_open_files, raise_processes
+from .._limits import TASKS_PER_PROCESS, make_room, raise_open_files, raise_processes
 from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
@@ -79,6 +79,24 @@ class _Child:
     #: the persistent mesh it belongs to ("": none; it dies with its controller)
     mesh: str = ""
     exited: anyio.Event = field(default_factory=anyio.Event)
+
+
+def _worker_tasks() -> int:
+    """Threads a worker started here runs: a local worker's, and NNG's pool (12 on 2
+    CPUs), which it starts to reach other hosts as this agent does: counted in this
+    process, where the same library runs it."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return TASKS_PER_PROCESS
+    nng = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                nng += f.read().startswith("nng:")
+        except OSError:  # (ended meanwhile)
+            continue
+    return TASKS_PER_PROCESS + nng
 
 
 class HostAgent(Actor):
@@ -117,6 +135,17 @@ class HostAgent(Actor):
             "workers": sorted(pid for pid, c in self.children.items() if not c.exited.is_set()),
             "auth_refused": current_runtime().statistics().auth_refused,
         }
+
+    @endpoint(concurrent=True)
+    def make_room(self, processes: int) -> None:
+        """Check, before a mesh starts ``processes`` here, that this machine lets the
+        agent's user run their threads (raising its soft process limit if it must).
+
+        Raises:
+            OSError: (EAGAIN) a control group's ``pids.max`` or the hard process limit
+                cannot hold them; the message says which, and what to raise.
+        """
+        make_room(0, processes * _worker_tasks())
 
     @endpoint(concurrent=True)
     async def start_proc(

@@ -14,6 +14,9 @@ its host.
 
 from __future__ import annotations
 
+import builtins
+import collections
+import errno
 import logging
 import signal
 import threading
@@ -25,7 +28,7 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._debug import RemoteDebugger, set_remote_debuggers
-from .._errors import SupervisionError
+from .._errors import ActorError, SupervisionError
 from .._mesh._host import Holder, ProcHandle, set_persistent_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime, current_runtime
@@ -291,6 +294,27 @@ class _Placement:
 
     async def release(self) -> None:
         await self._hosts._agents.forget.call(self.mesh_name)
+
+    async def make_room(self, slots: Sequence[int]) -> None:
+        """Ask the agents whether their machines let them start the threads of
+        ``slots``'s processes (each host as many as the one that gets most), before
+        any starts.
+
+        Raises:
+            OSError: (EAGAIN) a host cannot; the message names it and says why.
+        """
+        counts = collections.Counter(slot // self.per_host for slot in slots)
+        if not counts:
+            return
+        try:
+            await self._hosts._agents.make_room.call(max(counts.values()))
+        except ActorError as exc:
+            remote = getattr(builtins, exc.type_name, None)  # (OSError(EAGAIN) is a
+            if not (isinstance(remote, type) and issubclass(remote, OSError)):  # subclass's)
+                raise
+            host = self._hosts._infos[exc.point.get("hosts", 0)]["host"]
+            why = exc.message.strip().split("] ", 1)[-1]  # (without its "[Errno 11] ")
+            raise OSError(errno.EAGAIN, f"on host {host}: {why}") from exc
 
     async def start_proc(
         self,

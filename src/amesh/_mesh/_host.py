@@ -114,7 +114,9 @@ class Host(Protocol):
     (``open_files_per_process``; :data:`amesh._limits.PER_PROCESS` if it does not, 0
     for ranks that are no OS process), and how many threads each of its processes adds
     to the user's count on this machine (``tasks_per_process``; 0 if it does not, as
-    for processes on other machines), for the room a mesh makes before it starts.
+    for processes on other machines), for the room a mesh makes before it starts. A
+    host whose processes run on other machines may check there before any starts
+    (``async make_room(slots)``, raising OSError where they do not fit).
     """
 
     async def start_proc(

@@ -159,6 +159,9 @@ class Lifecycle:
             n * getattr(self.host, "open_files_per_process", _limits.PER_PROCESS),
             n * getattr(self.host, "tasks_per_process", 0),
         )
+        room = getattr(self.host, "make_room", None)  # (machines of their own: they check)
+        if room is not None:
+            await room(slots)
         scheme, host = self.scheme(rt)
         procs: list[ProcHandle | None] = [None] * n
 
