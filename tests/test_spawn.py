@@ -701,3 +701,66 @@ def _remove_groups(groups: list[Path]) -> None:
             os.kill(pid, signal.SIGKILL)
         assert all(wait_pid_gone(pid, 10) for pid in pids)
         group.rmdir()
+
+
+def _fake_proc(tmp_path: Path, cgroup: str, mounts: list[str]) -> str:
+    proc = tmp_path / "proc" / "self"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(cgroup)
+    lines = [f"{30 + i} 23 0:{40 + i} {m}" for i, m in enumerate(mounts)]
+    (proc / "mountinfo").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "proc")
+
+
+def _group(path: Path, limit: str | None, current: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if limit is not None:
+        (path / "pids.max").write_text(limit + "\n")
+    (path / "pids.current").write_text(f"{current}\n")
+    return path
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1 in a container", "v1 beside v2", "none"])
+def test_the_pids_cap_is_the_tightest_group_from_a_process_up(tmp_path: Path, layout: str) -> None:
+    """Read from /proc/PID/cgroup and mountinfo (here fake ones): the group with the
+    least room left between the process's own and the hierarchy's mount, wherever
+    that is mounted and whatever part of it a container sees."""
+    from amesh._limits import PidsCap, pids_cap
+
+    cg = tmp_path / "cg"
+    if layout == "v2":
+        proc = _fake_proc(
+            tmp_path,
+            "0::/user.slice/job/step\n",
+            [f"/ {cg} rw,nosuid - cgroup2 cgroup2 rw", f"/ {tmp_path} rw - tmpfs tmpfs rw"],
+        )
+        _group(cg, None, 500)  # the root: no cap
+        top = _group(cg / "user.slice", "100", 90)  # 10 left
+        job = _group(cg / "user.slice/job", "40", 20)  # 20 left
+        _group(cg / "user.slice/job/step", "max", 12)
+        assert pids_cap(proc=proc) == PidsCap(str(top), 100, 90)
+        (top / "pids.max").write_text("max")
+        assert pids_cap(proc=proc) == PidsCap(str(job), 40, 20)
+    elif layout == "v1 in a container":
+        # the container's own group is mounted as the hierarchy's root
+        proc = _fake_proc(
+            tmp_path,
+            "12:pids:/docker/abc/svc\n11:memory:/docker/abc\n0::/\n",
+            [f"/docker/abc {cg} rw - cgroup cgroup rw,pids", f"/ {tmp_path}/u - cgroup2 x rw"],
+        )
+        _group(cg, "4096", 4000)  # 96 left
+        svc = _group(cg / "svc", "50", 20)  # 30 left
+        assert pids_cap(proc=proc) == PidsCap(str(svc), 50, 20)
+    elif layout == "v1 beside v2":  # the pids controller is v1's; v2's groups do not count
+        proc = _fake_proc(
+            tmp_path,
+            "0::/b\n8:pids:/a\n",
+            [f"/ {cg} rw - cgroup cgroup rw,pids", f"/ {tmp_path}/u rw - cgroup2 cgroup2 rw"],
+        )
+        a = _group(cg / "a", "60", 1)
+        _group(tmp_path / "u" / "b", "5", 4)
+        assert pids_cap(proc=proc) == PidsCap(str(a), 60, 1)
+    else:
+        proc = _fake_proc(tmp_path, "3:cpu:/\n", [f"/ {cg} rw - cgroup cgroup rw,cpu"])
+        assert pids_cap(proc=proc) is None
+        assert pids_cap(proc=str(tmp_path / "nowhere")) is None

@@ -232,14 +232,15 @@ class PidsCap(NamedTuple):
     current: int  #: its ``pids.current``: the tasks under it now
 
 
-def pids_cap(pid: int | str = "self") -> PidsCap | None:
+def pids_cap(pid: int | str = "self", proc: str = "/proc") -> PidsCap | None:
     """The tightest ``pids.max`` over the control group of process ``pid`` and those
     above it (the one with the least room left), or None where none is capped or
-    none can be read (no ``pids`` controller, no ``/proc``)."""
+    none can be read (no ``pids`` controller, no ``/proc``). ``proc``: where procfs
+    is."""
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
+        with open(f"{proc}/{pid}/cgroup") as f:
             groups = f.read().splitlines()
-        with open(f"/proc/{pid}/mountinfo") as f:
+        with open(f"{proc}/{pid}/mountinfo") as f:
             mounts = f.read().splitlines()
     except OSError:
         return None
