@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import select
@@ -764,3 +765,27 @@ def test_the_pids_cap_is_the_tightest_group_from_a_process_up(tmp_path: Path, la
         proc = _fake_proc(tmp_path, "3:cpu:/\n", [f"/ {cg} rw - cgroup cgroup rw,cpu"])
         assert pids_cap(proc=proc) is None
         assert pids_cap(proc=str(tmp_path / "nowhere")) is None
+
+
+def test_a_mesh_the_kernels_thread_limit_cannot_hold_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kernel.pid_max and kernel.threads-max bound every user's threads together, root's
+    too: a mesh whose threads would pass them is refused, naming the setting."""
+    from amesh import _limits
+
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    threads_max = int(Path("/proc/sys/kernel/threads-max").read_text())
+    assert _limits._kernel_tasks() == min(
+        (pid_max - 300, "kernel.pid_max"), (threads_max, "kernel.threads-max")
+    )
+    monkeypatch.setattr(_limits, "_kernel_tasks", lambda: (1000, "kernel.pid_max"))
+    monkeypatch.setattr(_limits, "_loadavg_tasks", lambda: 950)
+    _limits.make_room(0, 50)  # fits exactly
+    with pytest.raises(
+        OSError, match=r"runs 950 of the 1000 its kernel allows: raise kernel.pid_max"
+    ) as refused:
+        _limits.make_room(0, 51)
+    assert refused.value.errno == errno.EAGAIN
+    monkeypatch.setattr(_limits, "_loadavg_tasks", lambda: None)  # unknown: not refused
+    _limits.make_room(0, 51)

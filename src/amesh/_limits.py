@@ -31,7 +31,9 @@ A container, a systemd service or a batch job may also cap the tasks of its cont
 group (``pids.max``: Docker's ``--pids-limit``, systemd's ``TasksMax``, a Kubernetes
 pod's PID limit), for root as for anyone, and nothing inside may raise it. So a mesh
 whose local processes would not fit under the tightest such cap, next to the tasks
-running under it already, is refused before anything starts, with the cap it met.
+running under it already, is refused before anything starts, with the cap it met; and
+so is one that would pass what the kernel lets the whole machine run
+(``kernel.pid_max``, ``kernel.threads-max``).
 """
 
 from __future__ import annotations
@@ -151,6 +153,14 @@ def room_under_pids_cap(tasks: int) -> None:
 
 def _room_for_tasks(tasks: int) -> None:
     room_under_pids_cap(tasks)
+    limit, name = _kernel_tasks()
+    running = _loadavg_tasks()
+    if limit is not None and running is not None and running + tasks > limit:
+        raise OSError(
+            errno.EAGAIN,
+            f"starting these processes needs ~{tasks} more threads, and this machine "
+            f"runs {running} of the {limit} its kernel allows: raise {name} (sysctl)",
+        )
     soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     if soft == resource.RLIM_INFINITY or _exempt():
         return
@@ -169,14 +179,37 @@ def _room_for_tasks(tasks: int) -> None:
         )
 
 
-def _system_tasks() -> int:
-    """Threads on this machine, every user's (``/proc/loadavg``): a bound on the user's,
-    read in one go (where it cannot be read, a bound that never fits)."""
+def _kernel_tasks() -> tuple[int | None, str]:
+    """How many threads the kernel lets this machine run, all users' together (the
+    lower of ``kernel.pid_max``, less the 300 numbers it never hands out again, and
+    ``kernel.threads-max``), and that setting's name; None where neither can be read."""
+    limits = []
+    for name, less in (("kernel.pid_max", 300), ("kernel.threads-max", 0)):
+        try:
+            with open("/proc/sys/" + name.replace(".", "/")) as f:
+                limits.append((int(f.read()) - less, name))
+        except (OSError, ValueError):
+            continue
+    if not limits:
+        return None, ""
+    return min(limits)
+
+
+def _loadavg_tasks() -> int | None:
+    """Threads on this machine, every user's (``/proc/loadavg``), read in one go; None
+    where that cannot be read."""
     try:
         with open("/proc/loadavg") as f:
             return int(f.read().split()[3].split("/")[1])
     except (OSError, ValueError, IndexError):
-        return 1 << 62
+        return None
+
+
+def _system_tasks() -> int:
+    """A bound on the user's threads: every user's (where they cannot be read, a bound
+    that never fits)."""
+    running = _loadavg_tasks()
+    return 1 << 62 if running is None else running
 
 
 def _exempt() -> bool:
