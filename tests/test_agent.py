@@ -31,7 +31,7 @@ from amesh._transport._hybrid import HybridTransport
 from amesh._transport._tags import dial_part, tag_of
 
 from .actors import Counter
-from .test_spawn import _pids_hierarchy, _remove_groups
+from .test_spawn import _pids_hierarchy, _remove_groups, in_group
 
 pytestmark = pytest.mark.anyio
 
@@ -71,9 +71,8 @@ class Agent:
         self.addr = f"{scheme}://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "amesh", "agent", "--listen", self.addr]
         cmd += ["--key-file", str(key), "--grace", str(grace)]
-        if cgroup is not None:  # it starts in that control group
-            enter = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
-            cmd = ["sh", "-c", enter, "sh", str(cgroup), *cmd]
+        if cgroup is not None:
+            cmd = in_group(cgroup, cmd)
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         self._logged = threading.Condition()

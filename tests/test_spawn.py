@@ -673,9 +673,8 @@ def test_a_mesh_its_control_groups_pids_cap_cannot_hold_is_refused_before_it_sta
     inner.mkdir(parents=True)
     try:
         (capped / "pids.max").write_text("60")
-        enter = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
         out = subprocess.run(
-            ["sh", "-c", enter, "sh", inner, sys.executable, "-c", _PIDS],
+            in_group(inner, [sys.executable, "-c", _PIDS]),
             capture_output=True,
             text=True,
             timeout=90,
@@ -692,6 +691,11 @@ def test_a_mesh_its_control_groups_pids_cap_cannot_hold_is_refused_before_it_sta
         assert running is not None and 12 <= int(running.group(1)) < 60, big
     finally:
         _remove_groups([inner, capped])
+
+
+def in_group(group: Path, cmd: list[str]) -> list[str]:
+    """``cmd``, run in control group ``group`` from its start."""
+    return ["sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"', "sh", str(group), *cmd]
 
 
 def _remove_groups(groups: list[Path]) -> None:

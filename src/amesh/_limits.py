@@ -52,7 +52,6 @@ __all__ = [
     "pids_cap",
     "raise_open_files",
     "raise_processes",
-    "room_under_pids_cap",
 ]
 
 #: Descriptors a controller holds per process it starts (~4.1 measured with a local
@@ -134,12 +133,7 @@ def make_room(descriptors: int, tasks: int = 0) -> None:
         _room_for_tasks(tasks)
 
 
-def room_under_pids_cap(tasks: int) -> None:
-    """Check that this process's control groups let it start ``tasks`` more threads.
-
-    Raises:
-        OSError: (EAGAIN) a ``pids.max`` over it cannot hold them, with what to raise.
-    """
+def _room_for_tasks(tasks: int) -> None:
     cap = pids_cap()
     if cap is not None and cap.limit - cap.current < tasks:
         raise OSError(
@@ -149,22 +143,18 @@ def room_under_pids_cap(tasks: int) -> None:
             "which run already: raise its pids.max (a container's --pids-limit, a "
             "service's TasksMax, a pod's PID limit)",
         )
-
-
-def _room_for_tasks(tasks: int) -> None:
-    room_under_pids_cap(tasks)
+    everyone = _loadavg_tasks()  # every user's threads on this machine
     limit, name = _kernel_tasks()
-    running = _loadavg_tasks()
-    if limit is not None and running is not None and running + tasks > limit:
+    if limit is not None and everyone is not None and everyone + tasks > limit:
         raise OSError(
             errno.EAGAIN,
             f"starting these processes needs ~{tasks} more threads, and this machine "
-            f"runs {running} of the {limit} its kernel allows: raise {name} (sysctl)",
+            f"runs {everyone} of the {limit} its kernel allows: raise {name} (sysctl)",
         )
     soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     if soft == resource.RLIM_INFINITY or _exempt():
         return
-    if _system_tasks() + tasks <= soft:  # every thread of the machine's: no need to count
+    if everyone is not None and everyone + tasks <= soft:  # the user's fit: no need to count
         return
     running = _user_tasks()
     if running + tasks <= soft:
@@ -203,13 +193,6 @@ def _loadavg_tasks() -> int | None:
             return int(f.read().split()[3].split("/")[1])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _system_tasks() -> int:
-    """A bound on the user's threads: every user's (where they cannot be read, a bound
-    that never fits)."""
-    running = _loadavg_tasks()
-    return 1 << 62 if running is None else running
 
 
 def _exempt() -> bool:
@@ -265,15 +248,14 @@ class PidsCap(NamedTuple):
     current: int  #: its ``pids.current``: the tasks under it now
 
 
-def pids_cap(pid: int | str = "self", proc: str = "/proc") -> PidsCap | None:
-    """The tightest ``pids.max`` over the control group of process ``pid`` and those
-    above it (the one with the least room left), or None where none is capped or
-    none can be read (no ``pids`` controller, no ``/proc``). ``proc``: where procfs
-    is."""
+def pids_cap(proc: str = "/proc") -> PidsCap | None:
+    """The tightest ``pids.max`` over this process's control group and those above it
+    (the one with the least room left), or None where none is capped or none can be
+    read (no ``pids`` controller, no ``/proc``). ``proc``: where procfs is."""
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
+        with open(f"{proc}/self/cgroup") as f:
             groups = f.read().splitlines()
-        with open(f"{proc}/{pid}/mountinfo") as f:
+        with open(f"{proc}/self/mountinfo") as f:
             mounts = f.read().splitlines()
     except OSError:
         return None

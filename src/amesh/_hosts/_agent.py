@@ -46,11 +46,11 @@ from typing import Any
 
 import anyio
 
-from .. import _codec
+from .. import _codec, _limits
 from .._actor import Actor, endpoint, handlers_of
 from .._config import settings
 from .._debug import current_listener, debug_env
-from .._limits import TASKS_PER_PROCESS, make_room, raise_open_files, raise_processes
+from .._limits import TASKS_PER_PROCESS, raise_open_files, raise_processes
 from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
@@ -137,15 +137,16 @@ class HostAgent(Actor):
         }
 
     @endpoint(concurrent=True)
-    def make_room(self, processes: int) -> None:
-        """Check, before a mesh starts ``processes`` here, that this machine lets the
-        agent's user run their threads (raising its soft process limit if it must).
-
-        Raises:
-            OSError: (EAGAIN) a control group's ``pids.max`` or the hard process limit
-                cannot hold them; the message says which, and what to raise.
-        """
-        make_room(0, processes * _worker_tasks())
+    def make_room(self, processes: int) -> str | None:
+        """Whether this machine lets the agent's user run the threads of ``processes``
+        more workers (raising its soft process limit if it must), asked before a mesh
+        starts any: None if it does, else why not (a control group's ``pids.max``, the
+        hard process limit or the kernel's, and what to raise)."""
+        try:
+            _limits.make_room(0, processes * _worker_tasks())
+        except OSError as exc:
+            return exc.strerror
+        return None
 
     @endpoint(concurrent=True)
     async def start_proc(

@@ -14,7 +14,6 @@ its host.
 
 from __future__ import annotations
 
-import builtins
 import collections
 import errno
 import logging
@@ -28,7 +27,7 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._debug import RemoteDebugger, set_remote_debuggers
-from .._errors import ActorError, SupervisionError
+from .._errors import SupervisionError
 from .._mesh._host import Holder, ProcHandle, set_persistent_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime, current_runtime
@@ -306,15 +305,10 @@ class _Placement:
         counts = collections.Counter(slot // self.per_host for slot in slots)
         if not counts:
             return
-        try:
-            await self._hosts._agents.make_room.call(max(counts.values()))
-        except ActorError as exc:
-            remote = getattr(builtins, exc.type_name, None)  # (OSError(EAGAIN) is a
-            if not (isinstance(remote, type) and issubclass(remote, OSError)):  # subclass's)
-                raise
-            host = self._hosts._infos[exc.point.get("hosts", 0)]["host"]
-            why = exc.message.strip().split("] ", 1)[-1]  # (without its "[Errno 11] ")
-            raise OSError(errno.EAGAIN, f"on host {host}: {why}") from exc
+        answers = await self._hosts._agents.make_room.call(max(counts.values()))
+        for info, why in zip(self._hosts._infos, answers.values()):
+            if why is not None:
+                raise OSError(errno.EAGAIN, f"on host {info['host']}: {why}")
 
     async def start_proc(
         self,
