@@ -11,6 +11,9 @@ streams within one (so on loopback, streams):
 - agent start to first answer: ``amesh agent`` exec'd until ``attach()`` returns
   (python start-up, imports, listening, the authenticated handshake, one call);
 - 2 hosts x 4 processes: ``spawn_procs`` entered until a call to all 8 answered;
+- 1 host x N processes (``--procs``, default 32; the agent's zygote already runs): the
+  same, and a worker's CPU (every thread's ``schedstat``) and page faults from its start
+  to its first answer (medians), and the workers' PSS each;
 - agent SIGKILLed: until the supervisor has seen the failure of every rank of its host;
 - remote worker SIGKILLed: until the supervisor has seen its failure;
 - SLURM 4 nodes x 4 processes: ``SlurmJob.host_mesh()`` plus ``spawn_procs`` until a
@@ -40,6 +43,9 @@ import amesh
 from amesh._runtime._runtime import open_runtime
 from amesh._transport import open_transport
 from amesh._transport._auth import job_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scale import _faults, _proc_cpu, _pss_mib
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,7 +87,7 @@ async def _attach_when_up(addr: str, key: str) -> amesh.HostMesh:
             await anyio.sleep(0.01)  # not listening yet: the bench polls, that is its job
 
 
-async def loopback(key: str) -> dict[str, float]:
+async def loopback(key: str, n: int) -> dict[str, float]:
     out: dict[str, float] = {}
     agents: list[subprocess.Popen[str]] = []
     try:
@@ -110,6 +116,7 @@ async def loopback(key: str) -> dict[str, float]:
                 p = await procs.spawn("p", Ping)
                 await p.ping.call()
                 out["2 hosts x 4 procs, start to first answer (s)"] = time.perf_counter() - t0
+                out.update(await _many_on_one(a1, key, n))
                 t0 = time.perf_counter()
                 os.kill(procs.pids[0], signal.SIGKILL)
                 await done.wait()
@@ -127,6 +134,25 @@ async def loopback(key: str) -> dict[str, float]:
                 a.send_signal(signal.SIGTERM)
             a.wait(30)
     return out
+
+
+async def _many_on_one(addr: str, key: str, n: int) -> dict[str, float]:
+    one = await amesh.attach([addr], key_file=key)
+    t0 = time.perf_counter()
+    async with one.spawn_procs({"procs": n}) as procs:
+        p = await procs.spawn("p", Ping)
+        await p.ping.call()
+        spawn = time.perf_counter() - t0
+        pids = list(procs.pids)
+        cpu = sorted(_proc_cpu(pid) for pid in pids)[n // 2]
+        faults = sorted(_faults(pid) for pid in pids)[n // 2]
+        pss = _pss_mib(pids) / n
+    return {
+        f"1 host x {n} procs, start to first answer (s)": spawn,
+        f"1 host x {n} procs, a worker's CPU to its first answer (ms)": cpu * 1e3,
+        f"1 host x {n} procs, a worker's page faults to its first answer": faults,
+        f"1 host x {n} procs, PSS per worker (MiB)": pss,
+    }
 
 
 async def slurm() -> dict[str, float]:
@@ -156,13 +182,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--slurm", action="store_true", help="also through scripts/cluster (root)")
+    ap.add_argument("--procs", type=int, default=32, help="processes on one agent (default 32)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         key = os.path.join(tmp, "key")
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, job_key().hex().encode() + b"\n")
         os.close(fd)
-        results: dict[str, Any] = anyio.run(loopback, key)
+        results: dict[str, Any] = anyio.run(loopback, key, args.procs)
     if args.slurm:
         up = subprocess.run(["bash", str(REPO / "scripts/cluster/up.sh")], capture_output=True)
         if up.returncode:

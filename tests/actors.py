@@ -623,3 +623,13 @@ class ExitHooks(Actor):
 
         atexit.register(note, "atexit")
         threading.Thread(target=after_main, daemon=False).start()
+
+
+class TlsIdentity(Actor):
+    @endpoint
+    def material(self) -> tuple[str, str, str, int]:
+        """This process's ``tls+tcp`` certificates (CA, leaf, leaf key) and its parent."""
+        from amesh._transport import _tls
+
+        m = _tls.material()
+        return m.ca, m.cert, m.key, os.getppid()

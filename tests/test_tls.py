@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+import os
 import secrets
 import socket
 import ssl
@@ -452,6 +453,53 @@ def write_material(path: Path, m: _tls.Material) -> dict[str, str]:
         (path / var).write_text(text)
         out[var] = str(path / var)
     return out
+
+
+def test_a_prepared_job_ca_serves_every_leaf_until_it_ages() -> None:
+    """prepare() makes the job CA once (as a zygote does before it forks): leaves made
+    after it are signed by that very certificate, each for a key of its own; past half
+    its validity, or for another key, a new CA is made; a fork keeps it."""
+    key = secrets.token_bytes(_auth.KEY_SIZE)
+    _tls.prepare(key)
+    made = _tls._job_ca
+    assert made is not None
+    one, two = _tls.job_material(key), _tls.job_material(key)
+    assert one.ca == two.ca == made.pem  # the same certificate, not just the same key
+    assert one.key != two.key and one.cert != two.cert
+    cert(one.cert).verify_directly_issued_by(cert(made.pem))
+    assert one.renew_at == made.renew_at
+    _tls._forget_in_child()  # what a forked child runs
+    assert _tls._job_ca is made
+    aged = _tls.job_material(key, now=made.renew_at + 1)
+    assert aged.ca != made.pem and public(cert(aged.ca)) == public(cert(made.pem))
+    assert aged.renew_at > made.renew_at
+    stranger = _tls.job_material(secrets.token_bytes(_auth.KEY_SIZE))
+    assert public(cert(stranger.ca)) != public(cert(made.pem))
+
+
+async def test_workers_forked_for_tls_share_the_zygotes_job_ca() -> None:
+    """A controller on tcp (TLS between hosts): its zygote makes the job CA before it
+    forks the workers (and imports cryptography once), so two workers show the very
+    same CA certificate, each with a leaf key of its own that the CA signed."""
+    from amesh import ProcMesh
+    from amesh._runtime._runtime import open_runtime
+
+    from .actors import TlsIdentity
+
+    with anyio.fail_after(120):
+        async with open_runtime(lambda: open_transport("tcp")) as rt:
+            assert rt.address.startswith("tls+tcp://")
+            async with ProcMesh({"procs": 2}) as procs:
+                ids = await procs.spawn("ids", TlsIdentity)
+                (ca1, leaf1, key1, zygote1), (ca2, leaf2, key2, zygote2) = (
+                    await ids.material.call()
+                ).values()
+    assert zygote1 == zygote2 != os.getpid()  # both forked by the zygote
+    assert ca1 == ca2
+    assert public(cert(ca1)) == public(cert(_tls.material().ca))  # the job's CA
+    assert key1 != key2 and leaf1 != leaf2
+    for leaf in (leaf1, leaf2):
+        cert(leaf).verify_directly_issued_by(cert(ca1))
 
 
 async def test_certificates_from_files(

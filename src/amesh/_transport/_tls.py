@@ -49,7 +49,10 @@ before it takes the next connection (connections that complete meanwhile wait, n
 is lost): a stream of bad handshakes slows the acceptance of good ones, no more.
 
 Making keys and signing costs a few milliseconds, so the result is cached per process
-(and per job key: a process that adopts another key derives again).
+(and per job key: a process that adopts another key derives again). The job CA outlives
+a fork: a zygote makes it (:func:`prepare`) before it forks workers whose parent is on
+``tls+tcp``, and each of them then makes only its own leaf key and certificate, which
+share the CA's validity.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ __all__ = [
     "is_tls_address",
     "job_material",
     "material",
+    "prepare",
     "server_config",
     "server_name",
 ]
@@ -155,10 +159,28 @@ def _ca_key(key: bytes) -> ec.EllipticCurvePrivateKey:
     return ec.derive_private_key(scalar, ec.SECP256R1())
 
 
-def job_material(key: bytes, now: float | None = None) -> Material:
-    """Make the job CA of ``key`` and a leaf certificate for a fresh key of this
-    process, valid from ``now`` (default: the present) for :data:`VALIDITY`."""
-    when = time.time() if now is None else now
+@dataclass(frozen=True)
+class _JobCa:
+    """A job CA made in this process (or in the zygote it was forked from)."""
+
+    digest: bytes  # SHA-256 of the job key
+    key: ec.EllipticCurvePrivateKey
+    name: x509.Name
+    ski: x509.SubjectKeyIdentifier
+    pem: str
+    begin: datetime.datetime
+    end: datetime.datetime
+    #: when (``time.time()``) to make a new one: half of its validity
+    renew_at: float
+
+
+#: The last job CA made here. Unlike the leaf (see _forget_in_child), a forked child
+#: keeps it: a zygote that made it (:func:`prepare`) spares each of its workers the
+#: derivation and a signature.
+_job_ca: _JobCa | None = None
+
+
+def _make_ca(key: bytes, when: float) -> _JobCa:
     start = datetime.datetime.fromtimestamp(when, datetime.UTC)
     begin, end = start - _SKEW, start + VALIDITY
     ca_key = _ca_key(key)
@@ -201,6 +223,49 @@ def job_material(key: bytes, now: float | None = None) -> Material:
         .add_extension(ca_ski, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return _JobCa(
+        hashlib.sha256(key).digest(),
+        ca_key,
+        ca_name,
+        ca_ski,
+        _pem(ca),
+        begin,
+        end,
+        when + VALIDITY.total_seconds() / 2,
+    )
+
+
+def _ca_for(key: bytes, when: float) -> _JobCa:
+    """The job CA of ``key`` valid at ``when``: the one made last if it is still young
+    enough, else a new one (kept)."""
+    global _job_ca
+    ca = _job_ca
+    if (
+        ca is None
+        or ca.digest != hashlib.sha256(key).digest()
+        or not (ca.begin.timestamp() <= when < ca.renew_at)
+    ):
+        ca = _job_ca = _make_ca(key, when)
+    return ca
+
+
+def prepare(key: bytes) -> None:
+    """Make the job CA of ``key`` now, and warm what signing a certificate needs, so
+    that the children this process forks next (a zygote's workers) only make their own
+    leaf key and certificate (see :func:`job_material`)."""
+    _ca_for(key, time.time())
+
+
+def job_material(key: bytes, now: float | None = None) -> Material:
+    """The job CA of ``key`` and a leaf certificate for a fresh key of this process,
+    valid from ``now`` (default: the present) for :data:`VALIDITY`.
+
+    The CA made last (here, or before the fork in the zygote this process came from:
+    :func:`prepare`) is used again while it is younger than half its validity; the
+    leaf then shares its validity, and both are made again at the same time."""
+    when = time.time() if now is None else now
+    ca = _ca_for(key, when)
+    ca_key, ca_name, ca_ski, begin, end = ca.key, ca.name, ca.ski, ca.begin, ca.end
     own = ec.generate_private_key(ec.SECP256R1())
     leaf = (
         x509.CertificateBuilder()
@@ -241,11 +306,11 @@ def job_material(key: bytes, now: float | None = None) -> Material:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ).decode()
     return Material(
-        ca=_pem(ca),
+        ca=ca.pem,
         cert=_pem(leaf),
         key=own_pem,
         server_name=SERVER_NAME,
-        renew_at=when + VALIDITY.total_seconds() / 2,
+        renew_at=ca.renew_at,
     )
 
 
@@ -337,7 +402,8 @@ _entry: _Entry | None = None
 
 
 def _forget_in_child() -> None:
-    """A forked child makes its own leaf key (and TLS configurations of its own NNG)."""
+    """A forked child makes its own leaf key (and TLS configurations of its own NNG);
+    it keeps the job CA (_job_ca)."""
     global _entry, _lock
     _entry = None
     _lock = threading.Lock()
