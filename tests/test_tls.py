@@ -455,10 +455,14 @@ def write_material(path: Path, m: _tls.Material) -> dict[str, str]:
     return out
 
 
-def test_a_prepared_job_ca_serves_every_leaf_until_it_ages() -> None:
+def test_a_prepared_job_ca_serves_every_leaf_until_it_ages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """prepare() makes the job CA once (as a zygote does before it forks): leaves made
     after it are signed by that very certificate, each for a key of its own; past half
     its validity, or for another key, a new CA is made; a fork keeps it."""
+    for name in ("_job_ca", "_entry", "_lock"):  # put back afterwards
+        monkeypatch.setattr(_tls, name, getattr(_tls, name))
     key = secrets.token_bytes(_auth.KEY_SIZE)
     _tls.prepare(key)
     made = _tls._job_ca
