@@ -23,12 +23,7 @@ settings: event-loop streams, fan-out 16):
   mostly the copies of the zygote's pages it writes, and do not change from run to run;
   the CPU does, with what a fresh page costs the machine: ~10 ms a worker here once
   the VM's memory is in use, about twice that where its host backs each page at the
-  first touch (see bench/README.md);
-- ``page_us``: what a fresh page of memory cost this machine right before the spawn
-  (64 MiB of new anonymous memory written a byte a page, less the same loop over pages
-  already there): ~1.4 µs here once the VM's memory is in use, ~8 where the host must
-  back each page again (after the VM sat idle), which is what tells a warm run from a
-  cold one.
+  first touch (see bench/README.md).
 
 Then a 4,096-rank mesh of in-process workers (``amesh.testing.InProcessHost`` on the
 memory transport): the frames the controller sends per broadcast and per ``call()``
@@ -134,27 +129,6 @@ def _faults(pid: int) -> int:
     return int(fields[7]) if fields else 0
 
 
-def _fresh_page_us(mib: int = 64) -> float:
-    """Microseconds this machine takes to give a process one fresh page (see
-    ``page_us`` above)."""
-    import mmap
-
-    size, step = mib << 20, mmap.PAGESIZE
-    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        t = time.perf_counter()
-        for offset in range(0, size, step):
-            mem[offset] = 1
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        for offset in range(0, size, step):
-            mem[offset] = 2
-        again = time.perf_counter() - t
-    finally:
-        mem.close()
-    return max(first - again, 0.0) / (size // step) * 1e6
-
-
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -180,7 +154,6 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             return self.seen
 
     async def main() -> dict[str, Any]:
-        page_us = _fresh_page_us()
         t0 = time.perf_counter()
         async with amesh.ProcMesh(per_host={"procs": n}) as procs:
             nodes = await procs.spawn("nodes", Node)
@@ -224,7 +197,6 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             "stop_s": stop,
             "spawn_cpu_ms": _pct([c for c, _ in started], 0.5) * 1e3,
             "spawn_faults": _pct([float(f) for _, f in started], 0.5),
-            "page_us": page_us,
         }
 
     result: dict[str, Any] = amesh.run(main)
@@ -326,10 +298,6 @@ def main() -> None:
             + "; ".join(
                 f"{r['n']}: {r['spawn_cpu_ms']:.1f} ms, {r['spawn_faults']:,.0f}" for r in spawned
             )
-        )
-        print(
-            "a fresh page of memory right before each spawn: "
-            + "; ".join(f"{r['n']}: {r['page_us']:.1f} µs" for r in spawned)
         )
     for r in rows:
         if "frames_per_cast" in r:
