@@ -117,8 +117,7 @@ def _cases(children: int) -> dict[str, tuple[float, float]]:
 
 def _amesh_workers(n: int) -> tuple[float, float]:
     """Median page faults and CPU (ms) of ``n`` amesh workers to their first answer,
-    in a process of its own (the measuring process must not be the zygote's parent's
-    parent: it forks children above)."""
+    from a controller in a fresh process (this one was prepared as a zygote is)."""
     import subprocess
 
     code = f"""

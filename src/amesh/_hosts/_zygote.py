@@ -603,9 +603,12 @@ class _Server:
         environment now and then): each page it writes after a fork is copied, as the
         child shares it. The pidfds are opened and reported once all are forked.
         """
-        for req, _ in self.batch:
-            if req is not None and req.boot.parent.startswith(TLS_PREFIX):
-                _prepare_tls(req.boot.key)
+        for key in {
+            req.boot.key
+            for req, _ in self.batch
+            if req is not None and req.boot.parent.startswith(TLS_PREFIX)
+        }:
+            _prepare_tls(key)
         n = _threads()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -698,7 +701,7 @@ def _prepare_tls(key: bytes) -> None:
     child, which then only makes its own leaf key and certificate. Each worker of a
     host agent spent ~45 ms of CPU importing them and ~7 ms deriving the CA and signing
     its certificate, and kept a copy of ``cryptography`` of its own (a worker's CPU to
-    its first answer: ~70 -> ~16 ms; PSS: 14.6 -> 8.7 MiB). Nothing here starts a
+    its first answer: ~62 -> ~14 ms; PSS: 14.6 -> 8.7 MiB). Nothing here starts a
     thread; what fails is left to the child, which meets it again and reports it."""
     try:
         from .._transport import _ext, _tls  # noqa: F401  (_ext binds NNG's functions)
