@@ -122,6 +122,33 @@ def test_a_segment_handed_back_carries_the_next_message() -> None:
     assert shm_files() == set() and _codec._pool == {}
 
 
+def test_a_segment_handed_back_while_its_sender_looks_stays_in_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The receiver hands a segment back right after its sender failed to claim it
+    (it was not back yet): the sender keeps it in its pool, and so removes it when its
+    runtime closes, rather than losing track of it."""
+    p = _codec.dumps(os.urandom(2 * MIB), shm=True)
+    (name,) = shm_files()
+    rename = os.rename
+
+    def back_just_too_late(src: str, dst: str) -> None:
+        if src.endswith(".free"):  # the sender's claim fails: still with the receiver
+            monkeypatch.setattr(_codec.os, "rename", rename)
+            assert len(_codec.loads(p.data, p.buffers)) == 2 * MIB  # and back it comes
+            raise FileNotFoundError(src)
+        rename(src, dst)
+
+    monkeypatch.setattr(_codec.os, "rename", back_just_too_late)
+    q = _codec.dumps(os.urandom(MIB), shm=True)  # made a new segment meanwhile
+    assert shm_files() == {name + ".free", *(os.path.basename(s) for s in q.segments)}
+    assert len(_codec._pool) == 2
+    r = _codec.dumps(os.urandom(MIB), shm=True)  # the one handed back serves this one
+    assert len(shm_files()) == 2 and name + ".free" not in shm_files()
+    assert _codec.release_payload(r) == 1 and _codec.release_payload(q) == 1
+    assert shm_files() == set()
+
+
 def test_large_bytes_received_fill_an_object_nobody_holds_any_more() -> None:
     """A bytes read out of a segment goes into one received before, once nothing
     else references it; never into one that somebody still holds."""

@@ -138,6 +138,32 @@ def test_remove_segments_of_spares_a_reused_pid(
     assert set(os.listdir(tmp_path)) == {live, other}
 
 
+def test_remove_segments_of_catches_a_segment_handed_back_after_the_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver loading a pooled segment of a process that was just killed renames it
+    ``.free`` (back to its sender) between the cleanup's listing and its unlink: the
+    cleanup removes it under that name."""
+    monkeypatch.setenv("AMESH_SHM_DIR", str(tmp_path))
+    job = _codec.job_id()
+    _, start, ns = own_owner()
+    gone = free_pid()
+    loaded, unread, back = (segment_name(job, gone, start, ns, n) for n in range(3))
+    for name in (loaded, unread):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / (back + ".free")).write_bytes(b"x")  # handed back before the listing
+    listdir = os.listdir
+
+    def listing_then_a_receiver_renames(where: str) -> list[str]:
+        names = listdir(where)
+        os.rename(tmp_path / loaded, tmp_path / (loaded + ".free"))
+        return names
+
+    monkeypatch.setattr(_codec.os, "listdir", listing_then_a_receiver_renames)
+    assert _codec.remove_segments_of(gone) == 3
+    assert listdir(tmp_path) == []
+
+
 def reference(path: str) -> bytes:
     """A pickle that loads segment ``path``, as dumps() writes it."""
     return pickle.PROTO + bytes((5,)) + _codec._segment_ref(path, 0) + pickle.STOP

@@ -733,7 +733,10 @@ def _reuse_segment(n: int, view: memoryview) -> str | None:
         try:
             os.rename(old + _FREE, path)  # claimed: nobody else renames it now
         except OSError:
-            if not os.path.exists(old):  # not with a receiver either: it is gone
+            # With a receiver still (``old``), or gone. Looked at in that order, since a
+            # receiver may hand it back (``old`` to ``old.free``) right after the rename
+            # failed: then it is kept for the next message.
+            if not os.path.exists(old) and not os.path.exists(old + _FREE):
                 _forget(old)
             continue
         with _lock:
@@ -983,7 +986,14 @@ def _remove_dead(only_pid: int | None) -> int:
         verdict = dead.get(owner)
         if verdict is None:
             verdict = dead[owner] = _is_dead(*owner, procfs)
-        if verdict and _unlink_ours(where, name):
+        if not verdict:
+            continue
+        if _unlink_ours(where, name):
+            removed += 1
+        elif not name.endswith(_FREE) and _unlink_ours(where, name + _FREE):
+            # A receiver loaded it after the listing and handed it back to its (dead)
+            # sender: the one rename it can have had since (once unlinked here, a
+            # receiver's rename fails and it unlinks the name itself).
             removed += 1
     return removed
 
