@@ -5,6 +5,7 @@ The agents run as real processes listening on loopback tcp; each stands for a ma
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -219,6 +220,40 @@ async def test_a_mesh_over_two_agents(tmp_path: Path) -> None:
                 with anyio.fail_after(10):
                     await gone(pid)
         assert a1.proc.returncode == 0 and a2.proc.returncode == 0
+
+
+def zygotes_of(pid: int) -> list[int]:
+    """The zygotes among the children of process ``pid``."""
+    out = []
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    for child in children:
+        with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"amesh._hosts._zygote" in f.read().split(b"\0"):
+                out.append(child)
+    return out
+
+
+async def test_an_agent_starts_its_zygote_before_any_mesh(tmp_path: Path) -> None:
+    """Every worker of an agent is forked by its zygote: it starts with the agent, so
+    the first mesh does not wait for it, and that one zygote serves every mesh."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 1) as (a,), tcp_runtime():
+            with anyio.fail_after(30):
+                line = await a.logged("zygote")
+            zygote = int(line.split("zygote ", 1)[1].split()[0])
+            assert zygotes_of(a.proc.pid) == [zygote]
+            hosts = await amesh.attach([a.addr], key_file=str(key))
+            for _ in range(2):
+                async with hosts.spawn_procs({"gpus": 2}) as procs:
+                    c = await procs.spawn("c", Counter)
+                    assert list((await c.incr.call()).values()) == [1, 1]
+                    for pid in procs.pids:
+                        assert a.proc.pid in ancestors(pid)
+                assert zygotes_of(a.proc.pid) == [zygote]
+        assert a.proc.returncode == 0
+        await gone(zygote)
 
 
 async def test_a_controller_on_the_port_of_a_gone_one_is_another_peer(tmp_path: Path) -> None:

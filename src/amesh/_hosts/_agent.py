@@ -58,7 +58,7 @@ from .._runtime._runtime import Runtime, current_runtime, open_runtime
 from .._transport import HybridTransport, StreamTransport, Transport, default_impl, open_tls
 from .._transport._auth import adopt_key, read_key_file
 from ._home import state_dir
-from ._local import launch_worker
+from ._local import launch_worker, start_zygote
 
 __all__ = ["AGENT_ACTOR", "DEFAULT_GRACE", "HostAgent", "parse_listen", "serve_agent"]
 
@@ -478,6 +478,8 @@ async def serve_agent(
         agent = HostAgent(host, grace)
         inst = ActorInstance(rt, AGENT_ACTOR, AGENT_ACTOR, agent, handlers_of(HostAgent), "", 0)
         rt.add_actor(inst)
+        # every worker here comes from the zygote: have it ready for the first mesh
+        rt.start_soon(start_zygote, rt)
         log.info("amesh agent %d listening on %s", os.getpid(), rt.address)
         if announce_to:
             announce(announce_to, rt.address)
