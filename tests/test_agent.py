@@ -5,7 +5,6 @@ The agents run as real processes listening on loopback tcp; each stands for a ma
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import signal
@@ -30,9 +29,10 @@ from amesh._transport import open_transport
 from amesh._transport._auth import job_key, read_key_file
 from amesh._transport._hybrid import HybridTransport
 from amesh._transport._tags import dial_part, tag_of
+from amesh.testing._leaks import child_pids
 
 from .actors import Counter
-from .test_spawn import _pids_hierarchy, _remove_groups, in_group
+from .test_spawn import _pids_hierarchy, _remove_groups, cmdline_of, in_group
 
 pytestmark = pytest.mark.anyio
 
@@ -224,14 +224,7 @@ async def test_a_mesh_over_two_agents(tmp_path: Path) -> None:
 
 def zygotes_of(pid: int) -> list[int]:
     """The zygotes among the children of process ``pid``."""
-    out = []
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(c) for c in f.read().split()]
-    for child in children:
-        with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"amesh._hosts._zygote" in f.read().split(b"\0"):
-                out.append(child)
-    return out
+    return [c for c in child_pids(pid) if "amesh._hosts._zygote" in cmdline_of(c)]
 
 
 async def test_an_agent_starts_its_zygote_before_any_mesh(tmp_path: Path) -> None:
@@ -249,8 +242,7 @@ async def test_an_agent_starts_its_zygote_before_any_mesh(tmp_path: Path) -> Non
                 async with hosts.spawn_procs({"gpus": 2}) as procs:
                     c = await procs.spawn("c", Counter)
                     assert list((await c.incr.call()).values()) == [1, 1]
-                    for pid in procs.pids:
-                        assert a.proc.pid in ancestors(pid)
+                    assert child_pids(zygote) >= set(procs.pids)  # forked by it
                 assert zygotes_of(a.proc.pid) == [zygote]
         assert a.proc.returncode == 0
         await gone(zygote)

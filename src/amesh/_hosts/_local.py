@@ -263,7 +263,7 @@ async def _zygote_for(rt: Runtime, child_env: Mapping[str, str]) -> Zygote | Non
 
 async def start_zygote(rt: Runtime) -> None:
     """Start ``rt``'s zygote now rather than with its first worker: a host agent's
-    first mesh then does not wait for it (~0.3 s)."""
+    first mesh then does not wait for it (0.23-0.28 s on the 2-CPU VM of bench/)."""
     zygote = await _zygote_for(rt, os.environ)
     if zygote is not None:
         log.info("zygote %d ready", zygote.pid)
