@@ -2839,6 +2839,125 @@ ext_flush_stdio(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/*
+ * immortalize(objects) -> count: on CPython 3.12 and 3.13 with the GIL, make each
+ * object of the list immortal (PEP 683: its reference count is never written again),
+ * and with it what each refers to that the collector does not track (strings and
+ * numbers, code objects with their constants and names, tuples and dicts it has
+ * untracked), and give each type of the list a version tag (its attribute cache key);
+ * the count is how many were not immortal before. A zygote runs it over
+ * gc.get_objects() once, before it forks: a child then uses the zygote's functions,
+ * types and constants without copying the pages their reference counts are on. The
+ * list itself is left alone. Elsewhere (3.11, a free-threaded build) it does nothing
+ * and returns 0. Objects made immortal are never freed: only for a heap that lives
+ * as long as the process.
+ */
+#if PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+#define AMESH_CAN_IMMORTALIZE 1
+#else
+#define AMESH_CAN_IMMORTALIZE 0
+#endif
+
+#if AMESH_CAN_IMMORTALIZE
+/* Nesting of untracked containers and code objects followed (a guard: they hold no
+ * cycles, and real nesting is a few levels). */
+#define IMMORTAL_DEPTH 64
+
+typedef struct {
+    Py_ssize_t count;
+    int depth;
+} ImmortalWalk;
+
+static int immortal_visit(PyObject *op, void *arg);
+
+static void
+immortal_set(PyObject *op, ImmortalWalk *walk)
+{
+    op->ob_refcnt = _Py_IMMORTAL_REFCNT;
+    walk->count++;
+}
+
+/* What an untracked object refers to: a code object's fields, an untracked
+ * container's items. */
+static void
+immortal_inside(PyObject *op, ImmortalWalk *walk)
+{
+    if (walk->depth >= IMMORTAL_DEPTH) {
+        return;
+    }
+    walk->depth++;
+    if (PyCode_Check(op)) {
+        PyCodeObject *code = (PyCodeObject *)op;
+        immortal_visit(code->co_consts, walk);
+        immortal_visit(code->co_names, walk);
+        immortal_visit(code->co_localsplusnames, walk);
+        immortal_visit(code->co_localspluskinds, walk);
+        immortal_visit(code->co_filename, walk);
+        immortal_visit(code->co_name, walk);
+        immortal_visit(code->co_qualname, walk);
+        immortal_visit(code->co_linetable, walk);
+        immortal_visit(code->co_exceptiontable, walk);
+    }
+    else if (PyObject_IS_GC(op) && Py_TYPE(op)->tp_traverse != NULL) {
+        /* (PyObject_IS_GC asks the type: a static type is no GC object) */
+        Py_TYPE(op)->tp_traverse(op, immortal_visit, walk);
+    }
+    walk->depth--;
+}
+
+/* A referent: tracked ones are in the list (their turn comes); the others are
+ * followed here, once (an immortal one was seen, or needs nothing). */
+static int
+immortal_visit(PyObject *op, void *arg)
+{
+    ImmortalWalk *walk = (ImmortalWalk *)arg;
+    if (op == NULL || _Py_IsImmortal(op)) {
+        return 0;
+    }
+    immortal_set(op, walk);
+    if (!PyObject_GC_IsTracked(op)) {
+        immortal_inside(op, walk);
+    }
+    return 0;
+}
+#endif
+
+static PyObject *
+ext_immortalize(PyObject *module, PyObject *objects)
+{
+    if (!PyList_Check(objects)) {
+        PyErr_Format(PyExc_TypeError, "immortalize() takes a list, not %.100s",
+                     Py_TYPE(objects)->tp_name);
+        return NULL;
+    }
+#if AMESH_CAN_IMMORTALIZE
+    ImmortalWalk walk = {0, 0};
+    /* (the list may not change under us: no Python code runs in the walk) */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects); i++) {
+        PyObject *op = PyList_GET_ITEM(objects, i);
+        if (op == objects) {
+            continue;
+        }
+        if (!_Py_IsImmortal(op)) {
+            immortal_set(op, &walk);
+        }
+        if (PyType_Check(op)) {
+            /* a child's first look-up of an attribute would write one: -20 pages */
+            PyUnstable_Type_AssignVersionTag((PyTypeObject *)op);
+        }
+        if (PyObject_GC_IsTracked(op)) {
+            Py_TYPE(op)->tp_traverse(op, immortal_visit, &walk);
+        }
+        else {
+            immortal_inside(op, &walk);
+        }
+    }
+    return PyLong_FromSsize_t(walk.count);
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
 static PyMethodDef ext_methods[] = {
     {"bind", (PyCFunction)ext_bind, METH_O,
      "bind(functions): the addresses of NNG_FUNCTIONS in the loaded NNG."},
@@ -2866,6 +2985,9 @@ static PyMethodDef ext_methods[] = {
      "line_buffer_stdout(): make C's stdout line-buffered."},
     {"flush_stdio", (PyCFunction)ext_flush_stdio, METH_NOARGS,
      "flush_stdio(): fflush every C stdio stream, the GIL released."},
+    {"immortalize", (PyCFunction)ext_immortalize, METH_O,
+     "immortalize(objects) -> count: make the listed objects, and what they refer to\n"
+     "that the collector does not track, immortal (CPython 3.12 and 3.13; else 0)."},
     {"finalize", (PyCFunction)ext_finalize, METH_NOARGS,
      "Stop every Receiver and NNG Beat, and make no more NNG calls (run at exit, before the sockets close)."},
     {"_wait_uninterruptibly", (PyCFunction)ext_wait_uninterruptibly, METH_O,
@@ -2882,6 +3004,10 @@ ext_exec(PyObject *module)
 {
     ext_state *st = get_state(module);
 
+    if (PyModule_AddObjectRef(module, "CAN_IMMORTALIZE",
+                              AMESH_CAN_IMMORTALIZE ? Py_True : Py_False) < 0) {
+        return -1;
+    }
     st->NngError = PyErr_NewExceptionWithDoc(
         "amesh._ext.NngError", "An NNG error: args are (errno, strerror).", PyExc_OSError, NULL);
     if (st->NngError == NULL || PyModule_AddObjectRef(module, "NngError", st->NngError) < 0) {

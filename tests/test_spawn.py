@@ -407,6 +407,94 @@ def _shm_threshold(_: object) -> int:
     return settings().shm_threshold
 
 
+#: What sys.getrefcount says of an immortal object (CPython 3.12 and 3.13, 64-bit).
+IMMORTAL = 2**32 - 1
+
+
+def _refcounts(_: object) -> dict[str, int]:
+    """Reference counts, in a worker, of what its zygote loaded and of what it makes."""
+    from amesh import _worker
+
+    return {
+        "function": sys.getrefcount(_worker.main),
+        "code": sys.getrefcount(_worker.main.__code__),
+        "module": sys.getrefcount(_worker),
+        "made here": sys.getrefcount(object()),
+        "ppid": os.getppid(),
+    }
+
+
+@pytest.mark.parametrize("immortal", ["1", "0"])
+async def test_the_zygote_makes_what_it_loaded_immortal_where_python_can(
+    immortal: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPython 3.12 and 3.13 (AMESH_ZYGOTE_IMMORTAL on) a worker's references to the
+    zygote's objects write no reference counts (so no copies of their pages); on 3.11,
+    or with it off, they stay as they were. Either way the workers are the zygote's:
+    a zygote that failed to start would leave them exec'd, which this would hide."""
+    from amesh import _ext
+
+    monkeypatch.setenv("AMESH_ZYGOTE_IMMORTAL", immortal)
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            c = await procs.spawn("c", Counter)
+            seen = (await c.apply.call(_refcounts, None)).values()
+            zygote = _zygote_of_this_runtime().pid
+            assert "amesh._hosts._zygote" in cmdline_of(zygote)
+            assert [s["ppid"] for s in seen] == [zygote] * 2
+    expect = _ext.CAN_IMMORTALIZE and immortal == "1"
+    assert _ext.CAN_IMMORTALIZE == ((3, 12) <= sys.version_info[:2] <= (3, 13))
+    for s in seen:
+        loaded = [s["function"], s["code"], s["module"]]
+        assert (loaded == [IMMORTAL] * 3) == expect, s
+        assert s["made here"] < 10  # what a worker makes stays mortal
+        if not expect:
+            assert all(n < 1000 for n in loaded), s
+
+
+def test_immortalize_makes_objects_and_what_only_they_hold_immortal() -> None:
+    """_ext.immortalize: the listed objects, what they refer to that the collector does
+    not track (a code object, its constants), never the list; 0 and nothing where the
+    interpreter cannot (3.11). And each listed type gets its version tag."""
+    import _testcapi  # type: ignore[import-not-found]
+
+    from amesh import _ext
+
+    class Thing:
+        pass
+
+    def function(x: int) -> tuple[int, str, float]:
+        return (x, "a constant of this test's own", 2.5)
+
+    class Untouched:  # (no attribute of it looked up yet: no version tag)
+        pass
+
+    thing, table = Thing(), {"key": [1, 2]}
+    objects: list[object] = [thing, function, table, Untouched]
+    assert _testcapi.type_get_version(Untouched) == 0
+    before = [sys.getrefcount(o) for o in (thing, function, table, function.__code__)]
+    made = _ext.immortalize(objects)
+    after = [sys.getrefcount(o) for o in (thing, function, table, function.__code__)]
+    consts = function.__code__.co_consts
+    if not _ext.CAN_IMMORTALIZE:
+        assert made == 0 and after == before
+        assert _testcapi.type_get_version(Untouched) == 0
+    else:
+        assert made >= 6
+        assert _testcapi.type_get_version(Untouched) != 0  # a child need not write one
+        assert after == [IMMORTAL] * 4
+        assert sys.getrefcount(consts) == IMMORTAL
+        assert [sys.getrefcount(c) for c in consts if isinstance(c, (str, float))] == [
+            IMMORTAL,
+            IMMORTAL,
+        ]
+        assert sys.getrefcount(Thing) == IMMORTAL  # its type, which it refers to
+        assert sys.getrefcount(table["key"]) == IMMORTAL  # (a tracked list: made, as a referent)
+        assert sys.getrefcount(objects) < 10  # the list is left alone
+    with pytest.raises(TypeError, match="takes a list"):
+        _ext.immortalize((thing,))  # type: ignore[arg-type]
+
+
 def _send_raw(zygote: Any, change: dict[str, str], base: dict[str, str] | None) -> Any:
     """Send the zygote a request as the controller would not; its pending request."""
     import array

@@ -211,6 +211,13 @@ class Settings:
         "Fork workers from a zygote, which has done the imports already (Linux); "
         "off: exec each worker fresh.",
     )
+    zygote_immortal: bool = _setting(
+        True,
+        "On CPython 3.12 and 3.13, the zygote makes what it has loaded immortal (PEP 683) "
+        "before it forks, so that a worker does not copy the pages of the reference counts "
+        "of what it runs (a third fewer pages, ~2 MiB less memory a worker); those objects "
+        "are then never freed, in the zygote or its workers.",
+    )
     log_level: str = _setting(
         "",
         "The logging level of workers and host agents.",

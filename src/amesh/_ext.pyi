@@ -42,6 +42,24 @@ def line_buffer_stdout() -> None:
 def flush_stdio() -> None:
     """``fflush(NULL)``: write what C's stdio streams hold, the GIL released."""
 
+#: Whether :func:`immortalize` does anything here (CPython 3.12 or 3.13, with the GIL).
+CAN_IMMORTALIZE: bool
+
+def immortalize(objects: list[object], /) -> int:
+    """Make each object of ``objects`` immortal (PEP 683: its reference count is never
+    written again), and what each refers to that the collector does not track
+    (strings, numbers, code objects with their constants, untracked tuples and
+    dicts), and give each type of the list a version tag (the key of its attribute
+    cache, which a child's first look-up would otherwise write). Returns how many were
+    not immortal before; 0 where
+    :data:`CAN_IMMORTALIZE` is false. They are never freed: for a zygote's heap, made
+    once before it forks, so that its children do not copy the pages of the reference
+    counts of what they use.
+
+    Raises:
+        TypeError: ``objects`` is not a list.
+    """
+
 class NngError(OSError):
     """An NNG error; ``errno`` is NNG's error number, ``strerror`` its text."""
 
