@@ -19,7 +19,9 @@ settings: event-loop streams, fan-out 16):
 - ``pss_mib_per_worker``: PSS of the workers (``/proc/<pid>/smaps_rollup``) divided by N;
 - ``stop_s``: leaving the ``ProcMesh`` block: every worker stopped and gone;
 - ``spawn_cpu_ms`` and ``spawn_faults``: a worker's CPU (as ``floor_ms``) and page faults
-  (``/proc/PID/stat``) from its start to its first answer, medians. The faults are
+  (``/proc/PID/stat``) from its start to its first answer, medians; ``forked``: how many
+  workers the zygote forked (the others were exec'd because it failed, which the output
+  then says). The faults are
   mostly the copies of the zygote's pages it writes, and do not change from run to run;
   the CPU does, with what a fresh page costs the machine: ~10 ms a worker here once
   the VM's memory is in use, about twice that where its host backs each page at the
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -160,6 +163,8 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             await nodes.noop.call()
             spawn = time.perf_counter() - t0
             started = [(_proc_cpu(pid), _faults(pid)) for pid in procs.pids]
+            # a worker whose parent is this process was exec'd: the zygote failed
+            forked = sum(1 for pid in procs.pids if _stat(pid)[1:2] != [str(os.getpid())])
             for _ in range(3):
                 await nodes.noop.call()
             me = os.getpid()
@@ -197,6 +202,7 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             "stop_s": stop,
             "spawn_cpu_ms": _pct([c for c, _ in started], 0.5) * 1e3,
             "spawn_faults": _pct([float(f) for _, f in started], 0.5),
+            "forked": forked,
         }
 
     result: dict[str, Any] = amesh.run(main)
@@ -274,7 +280,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{os.cpu_count()} CPUs; default settings (fan-out 16)")
+    print(
+        f"{os.cpu_count()} CPUs; Python {platform.python_version()}; default settings (fan-out 16)"
+    )
     print(
         "| processes | spawn + first answer (s) | call() to all p50 / p99 (ms) | CPU per "
         "call (ms) | floor (ms) | a worker's CPU per call, median (µs) | broadcast "
@@ -299,6 +307,13 @@ def main() -> None:
                 f"{r['n']}: {r['spawn_cpu_ms']:.1f} ms, {r['spawn_faults']:,.0f}" for r in spawned
             )
         )
+        for r in spawned:
+            if r["forked"] != r["n"]:
+                print(
+                    f"!! {r['n'] - r['forked']} of {r['n']} workers were exec'd, not forked by "
+                    "the zygote (AMESH_ZYGOTE=0, or it failed: see any warning above); these "
+                    "figures are not a zygote's"
+                )
     for r in rows:
         if "frames_per_cast" in r:
             print(
