@@ -20,8 +20,8 @@ settings: event-loop streams, fan-out 16):
 - ``stop_s``: leaving the ``ProcMesh`` block: every worker stopped and gone;
 - ``spawn_cpu_ms`` and ``spawn_faults``: a worker's CPU (as ``floor_ms``) and page faults
   (``/proc/PID/stat``) from its start to its first answer, medians; ``forked``: how many
-  workers the zygote forked (the others were exec'd because it failed, which the output
-  then says). The faults are
+  workers the zygote forked (the others were exec'd: ``AMESH_ZYGOTE=0``, or the zygote
+  failed; the output then says so). The faults are
   mostly the copies of the zygote's pages it writes, and do not change from run to run;
   the CPU does, with what a fresh page costs the machine: ~10 ms a worker here once
   the VM's memory is in use, about twice that where its host backs each page at the
@@ -163,11 +163,11 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             await nodes.noop.call()
             spawn = time.perf_counter() - t0
             started = [(_proc_cpu(pid), _faults(pid)) for pid in procs.pids]
-            # a worker whose parent is this process was exec'd: the zygote failed
-            forked = sum(1 for pid in procs.pids if _stat(pid)[1:2] != [str(os.getpid())])
+            me = os.getpid()
+            # a worker whose parent is this process was exec'd, not forked by the zygote
+            forked = sum(1 for pid in procs.pids if _stat(pid)[1:2] != [str(me)])
             for _ in range(3):
                 await nodes.noop.call()
-            me = os.getpid()
             pids = list(procs.pids)
             cpu0 = _tree_cpu(me)
             each0 = [_proc_cpu(pid) for pid in pids]

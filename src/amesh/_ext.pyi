@@ -51,10 +51,9 @@ def immortalize(objects: list[object], /) -> int:
     (strings, numbers, code objects with their constants, untracked tuples and
     dicts), and give each type of the list a version tag (the key of its attribute
     cache, which a child's first look-up would otherwise write). Returns how many were
-    not immortal before; 0 where
-    :data:`CAN_IMMORTALIZE` is false. They are never freed: for a zygote's heap, made
-    once before it forks, so that its children do not copy the pages of the reference
-    counts of what they use.
+    not immortal before; 0 where :data:`CAN_IMMORTALIZE` is false. They are never
+    freed: for a zygote's heap, made once before it forks, so that its children do not
+    copy the pages of the reference counts of what they use.
 
     Raises:
         TypeError: ``objects`` is not a list.
