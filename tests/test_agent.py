@@ -23,6 +23,7 @@ import pytest
 
 import amesh
 from amesh import SupervisionError
+from amesh._hosts._remote import LEASE_PERIOD, lease_period
 from amesh._limits import TASKS_PER_PROCESS
 from amesh._runtime._runtime import open_runtime
 from amesh._transport import open_transport
@@ -131,6 +132,11 @@ async def agents(
         for a in started:
             await a.listening()
         yield started
+    except BaseException:
+        for a in started:  # what each agent saw, beside the failure
+            a.stop()
+            sys.stderr.write(f"agent {a.addr} logged:\n{''.join(a.log)}")
+        raise
     finally:
         for a in started:
             a.stop()
@@ -180,6 +186,21 @@ def test_keygen_writes_a_private_key_once(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "chmod 600" in refused.stderr
     bad = run("agent", "--listen", "ipc:///tmp/x", "--key-file", str(path))
     assert bad.returncode == 2 and "tcp://ADDR:PORT" in bad.stderr
+    path.chmod(0o600)
+    for grace in ("0", "-1", "nan"):
+        none = run(
+            "agent", "--listen", "tcp://127.0.0.1:1", "--key-file", str(path), "--grace", grace
+        )
+        assert none.returncode == 2 and "--grace must be more than 0" in none.stderr, none.stderr
+
+
+def test_leases_come_four_times_a_grace_period() -> None:
+    """A controller's lease period follows each agent's grace: a late lease or two (a
+    busy machine) never costs a controller its workers, and a long grace costs no more
+    than two leases a second."""
+    assert lease_period(5.0) == LEASE_PERIOD == 0.5
+    assert lease_period(0.5) == 0.125
+    assert lease_period(0.001) == 0.01
 
 
 async def test_a_mesh_over_two_agents(tmp_path: Path) -> None:
@@ -514,6 +535,7 @@ async def test_a_stalled_controller_keeps_its_workers(tmp_path: Path) -> None:
     with anyio.fail_after(120):
         async with agents(key, 1, grace=0.5) as (agent,), tcp_runtime():
             hosts = await amesh.attach([agent.addr], key_file=str(key))
+            assert hosts.hosts[0]["grace"] == 0.5  # so leases come every 0.125 s
             async with hosts.spawn_procs({"gpus": 2}) as procs:
                 c = await procs.spawn("c", Counter)
                 pids = procs.pids

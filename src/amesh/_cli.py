@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"amesh agent: {exc}", file=sys.stderr)
             return 2
         grace = DEFAULT_GRACE if args.grace is None else args.grace
-        if grace < 0:
-            print("amesh agent: --grace must be at least 0", file=sys.stderr)
+        if not grace > 0:
+            print("amesh agent: --grace must be more than 0 seconds", file=sys.stderr)
             return 2
         return agent_main(
             args.listen, args.key_file, grace, args.route_to, args.announce, args.idle_exit

@@ -125,7 +125,8 @@ class HostAgent(Actor):
 
     @endpoint(concurrent=True)
     def info(self) -> dict[str, Any]:
-        """This host: its name, the agent's address and pid, CPUs, workers running."""
+        """This host: its name, the agent's address and pid, CPUs, workers running, and
+        the grace it gives a controller's lease (which sets how often leases come)."""
         return {
             "hostname": socket.gethostname(),
             "addr": current_runtime().address,
@@ -134,6 +135,7 @@ class HostAgent(Actor):
             "cpus": os.cpu_count() or 1,
             "workers": sorted(pid for pid, c in self.children.items() if not c.exited.is_set()),
             "auth_refused": current_runtime().statistics().auth_refused,
+            "grace": self.grace,
         }
 
     @endpoint(concurrent=True)
@@ -338,9 +340,19 @@ class HostAgent(Actor):
 
     async def _expire(self, rt: Runtime) -> None:
         """Stop the workers of every controller silent for ``grace`` seconds."""
+        tick = min(0.25, self.grace / 4) or 0.05
+        held_up = False
         while True:
-            await anyio.sleep(min(0.25, self.grace / 4) or 0.05)
+            before = anyio.current_time()
+            await anyio.sleep(tick)
             now = anyio.current_time()
+            if now - before > 2 * tick and not held_up:
+                # This loop was held up (a busy machine, a slow step of its own): leases
+                # that came meanwhile may still be unread. Judge at the next tick, once
+                # they are, not on what the stall kept from us.
+                held_up = True
+                continue
+            held_up = False
             for owner in list(self._watched):
                 last = rt.heartbeats.get(owner, now)
                 if now - last > self.grace:

@@ -37,7 +37,7 @@ from .._supervision import Supervisor
 from .._transport._auth import adopt_key_file
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
-from ._agent import AGENT_ACTOR, HostAgent
+from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent
 from ._home import local_agent, local_agent_address, local_key
 from ._local import ReadyWaiter
 
@@ -129,8 +129,15 @@ class RemoteProcess:
 
 #: Seconds a killed remote worker's agent has to confirm that it reaped it.
 KILL_CONFIRM = 5.0
-#: Seconds between a controller's leases on its agents (see :mod:`._agent`).
+#: Seconds between a controller's leases on its agents at most (see :mod:`._agent`).
 LEASE_PERIOD = 0.5
+
+
+def lease_period(grace: float) -> float:
+    """Seconds between leases to an agent that stops a controller's workers after
+    ``grace`` seconds without one: four leases a grace period (a late one or two is no
+    loss), at most :data:`LEASE_PERIOD` apart, at least 10 ms."""
+    return max(0.01, min(LEASE_PERIOD, grace / 4))
 
 
 class _Leases:
@@ -144,11 +151,11 @@ class _Leases:
         self._beats: list[NativeBeats] = []
         self.agents: set[str] = set()
 
-    def add(self, agent: str) -> None:
+    def add(self, agent: str, grace: float) -> None:
         if agent in self.agents:
             return
         self.agents.add(agent)
-        beats = start_heartbeats(agent, self._rt.address, LEASE_PERIOD, self._stop)
+        beats = start_heartbeats(agent, self._rt.address, lease_period(grace), self._stop)
         if beats is not None:
             self._beats.append(beats)
 
@@ -161,13 +168,13 @@ class _Leases:
 _LEASES: weakref.WeakKeyDictionary[Runtime, _Leases] = weakref.WeakKeyDictionary()
 
 
-def _lease(rt: Runtime, agents: Sequence[str]) -> None:
+def _lease(rt: Runtime, agents: Sequence[str], graces: Sequence[float]) -> None:
     leases = _LEASES.get(rt)
     if leases is None:
         leases = _LEASES[rt] = _Leases(rt)
         rt.owned.insert(0, leases)  # stopped last, after the meshes on the agents
-    for agent in agents:
-        leases.add(agent)
+    for agent, grace in zip(agents, graces, strict=True):
+        leases.add(agent, grace)
 
 
 class _AgentDebugger:
@@ -232,7 +239,8 @@ class HostMesh(MeshView):
     @property
     def hosts(self) -> list[dict[str, Any]]:
         """What each agent said of its host: ``hostname``, ``host`` (its address),
-        ``addr`` (the agent's), ``pid``, ``cpus``."""
+        ``addr`` (the agent's), ``pid``, ``cpus``, ``grace`` (seconds it keeps the
+        workers of a controller it hears no lease from)."""
         return list(self._infos)
 
     def spawn_procs(
@@ -392,7 +400,8 @@ async def attach(
         "hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": len(agents)}), agents, 0
     )
     infos = list((await mesh.info.options(timeout=timeout).call()).values())
-    _lease(rt, agents)
+    # (an agent older than its "grace" answer: the default grace's period)
+    _lease(rt, agents, [float(i.get("grace", DEFAULT_GRACE)) for i in infos])
     return HostMesh(mesh, infos)
 
 
