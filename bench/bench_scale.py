@@ -25,7 +25,8 @@ settings: event-loop streams, fan-out 16):
   mostly the copies of the zygote's pages it writes, and do not change from run to run;
   the CPU does, with what a fresh page costs the machine: ~10 ms a worker here once
   the VM's memory is in use, about twice that where its host backs each page at the
-  first touch (see bench/README.md).
+  first touch (see bench/README.md). ``spawn_cpu_split_s``: the spawn's CPU seconds in
+  this process, in the zygote (its start and its forks) and in all the workers.
 
 Then a 4,096-rank mesh of in-process workers (``amesh.testing.InProcessHost`` on the
 memory transport): the frames the controller sends per broadcast and per ``call()``
@@ -157,15 +158,19 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             return self.seen
 
     async def main() -> dict[str, Any]:
+        me = os.getpid()
+        mine0 = _proc_cpu(me)
         t0 = time.perf_counter()
         async with amesh.ProcMesh(per_host={"procs": n}) as procs:
             nodes = await procs.spawn("nodes", Node)
             await nodes.noop.call()
             spawn = time.perf_counter() - t0
+            mine = _proc_cpu(me) - mine0
             started = [(_proc_cpu(pid), _faults(pid)) for pid in procs.pids]
-            me = os.getpid()
+            parents = {_stat(pid)[1] for pid in procs.pids}
             # a worker whose parent is this process was exec'd, not forked by the zygote
             forked = sum(1 for pid in procs.pids if _stat(pid)[1:2] != [str(me)])
+            zygotes = sum(_proc_cpu(int(p)) for p in parents if p != str(me))
             for _ in range(3):
                 await nodes.noop.call()
             pids = list(procs.pids)
@@ -202,6 +207,9 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             "stop_s": stop,
             "spawn_cpu_ms": _pct([c for c, _ in started], 0.5) * 1e3,
             "spawn_faults": _pct([float(f) for _, f in started], 0.5),
+            # where the spawn's CPU went: this process (every thread), the zygote (its
+            # start, and the forks), the workers (all of them, to their first answer)
+            "spawn_cpu_split_s": [mine, zygotes, sum(c for c, _ in started)],
             "forked": forked,
         }
 
@@ -305,6 +313,15 @@ def main() -> None:
             "(medians): "
             + "; ".join(
                 f"{r['n']}: {r['spawn_cpu_ms']:.1f} ms, {r['spawn_faults']:,.0f}" for r in spawned
+            )
+        )
+        print(
+            "the spawn's CPU (s): "
+            + "; ".join(
+                f"{r['n']}: controller {r['spawn_cpu_split_s'][0]:.2f}, zygote "
+                f"{r['spawn_cpu_split_s'][1]:.2f}, workers {r['spawn_cpu_split_s'][2]:.2f} "
+                f"(wall {r['spawn_s']:.2f} x {os.cpu_count()} CPUs)"
+                for r in spawned
             )
         )
         for r in spawned:
