@@ -136,7 +136,10 @@ class MeshSupervisor:
         rt = st.runtime
         last_tick = hearing_since = anyio.current_time()
         while not st.closing:
-            await anyio.sleep(self._period)
+            with anyio.move_on_after(self._period):
+                await st.closed.wait()  # (ends this at once with the mesh, not a tick later)
+            if st.closing:
+                break
             now = anyio.current_time()
             if now - last_tick > self._period + STALL_SLACK:
                 hearing_since = now
