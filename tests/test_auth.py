@@ -449,3 +449,21 @@ def test_a_proof_is_hmac_sha256_of_the_job_key() -> None:
     target = b"stream+abstract://l"
     signed = _auth._STREAM_TAG + bytes(range(32)) + struct.pack("<H", len(target)) + target + me
     assert answer[-32:] == hmac.digest(key, signed, "sha256")
+
+
+def test_a_borrowed_key_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """borrowed_key (the zygote's rehearsal, before it serves a job): the key within
+    the block, and after it, on an error too, the one held before, or none."""
+    monkeypatch.setattr(_auth, "_key", None)
+    other = bytes(range(32))
+    with _auth.borrowed_key(other):
+        assert _auth.job_key() == other
+    assert not _auth.has_key()
+    held = _auth.job_key()  # (made now)
+    with pytest.raises(RuntimeError, match="inside"), _auth.borrowed_key(other):
+        assert _auth.job_key() == other
+        raise RuntimeError("inside")
+    assert _auth.job_key() == held
+    with pytest.raises(ValueError, match="32 bytes"), _auth.borrowed_key(b"short"):
+        pass
+    assert _auth.job_key() == held

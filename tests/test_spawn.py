@@ -81,6 +81,49 @@ async def test_workers_are_forked_by_one_single_threaded_zygote() -> None:
         assert zygote not in child_pids()
 
 
+class Shell(amesh.Actor):
+    @amesh.endpoint
+    async def run(self, argv: list[str]) -> dict[str, Any]:
+        import sniffio
+
+        done = await anyio.run_process(argv)
+        loop = ""
+        if sniffio.current_async_library() == "asyncio":
+            import asyncio
+
+            loop = type(asyncio.get_running_loop()).__module__
+        return {
+            "returncode": done.returncode,
+            "stdout": done.stdout,
+            "loop": loop,
+            # (a forked worker's __main__ is the zygote's: python -m amesh._hosts._zygote)
+            "rehearsed": getattr(sys.modules["__main__"], "_rehearsed", None),
+            "ppid": os.getppid(),
+        }
+
+
+async def test_the_zygotes_rehearsal_leaves_its_workers_whole(
+    anyio_backend: tuple[str, dict[str, object]],
+) -> None:
+    """The zygote plays a one-process mesh before it forks (_zygote._rehearse), and
+    what its workers inherit still works: they run on uvloop and start subprocesses
+    through it (a rehearsal on uvloop left libuv a pipe that each child closed with
+    the zygote's descriptors: their first subprocess aborted them), and the zygote
+    keeps one thread."""
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            shell = await procs.spawn("shell", Shell)
+            seen = (await shell.run.call([sys.executable, "-c", "print('hi')"])).values()
+            zygote = seen[0]["ppid"]
+            assert "amesh._hosts._zygote" in cmdline_of(zygote)
+            assert threads_of(zygote) == 1
+    for s in seen:
+        assert (s["returncode"], s["stdout"], s["rehearsed"]) == (0, b"hi\n", True), s
+        assert s["ppid"] == zygote
+        if anyio_backend[0] == "asyncio":
+            assert s["loop"].startswith("uvloop"), s
+
+
 def _descriptors(_: object) -> dict[int, str]:
     """What each of a worker's descriptors is (run in the worker)."""
     seen = {}

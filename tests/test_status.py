@@ -181,3 +181,30 @@ async def test_stale_registry_files_are_removed(
         stale.write_text(json.dumps({"pid": int(dead.stdout), "key": "00", "meshes": []}))
         assert "no live meshes" in await _amesh("list")
         assert not stale.exists()
+
+
+def test_an_unlisted_mesh_is_written_nowhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within _registry.unlisted() (the zygote's rehearsal) a mesh that starts is in no
+    file that `amesh list` or `amesh stop` would find; after it, meshes are written."""
+    from amesh._mesh import _registry
+
+    monkeypatch.setenv("AMESH_STATE_DIR", str(tmp_path))
+    registry = tmp_path / "meshes" / f"{os.getpid()}.json"
+
+    class Stub:
+        def listing(self) -> dict[str, Any]:
+            return {"name": "stub"}
+
+    stub = Stub()
+    with _registry.unlisted():
+        _registry.update(stub)
+        assert not registry.exists()
+        _registry.forget(stub)
+    _registry.update(stub)
+    try:
+        assert [m["name"] for m in json.loads(registry.read_text())["meshes"]] == ["stub"]
+    finally:
+        _registry.forget(stub)
+    assert not registry.exists()

@@ -58,6 +58,7 @@ import importlib
 import itertools
 import logging
 import os
+import secrets
 import select
 import signal
 import socket
@@ -793,6 +794,68 @@ def _preload() -> None:
             pass
 
 
+#: whether :func:`_rehearse` played its part (its children inherit it, as their
+#: ``__main__``'s: tests ask them)
+_rehearsed = False
+
+
+def _rehearse() -> None:
+    """Play a worker's part once here, before forking any: a one-process mesh in this
+    process (the in-process host of :mod:`amesh.testing`, on the stream transport), an
+    actor class sent by value as a script's is, and each adverb a few times. What a
+    child would otherwise do first, writing on pages it shares with the zygote, is
+    then done once: the interpreter's specialized instructions and their caches in
+    the code a worker runs, the versions of the dictionaries and functions they check,
+    the types' caches. ~10 ms here, once.
+
+    It runs on a throwaway key, is written in no registry of meshes (``amesh list``),
+    and leaves nothing behind: no thread (forking needs this process to have one), no
+    descriptor, no settings. Only on the default stream
+    transport: NNG keeps threads of its own once used. What fails is left alone; the
+    workers then do that work themselves, as before."""
+    global _rehearsed
+    if default_impl() != "stream":
+        return
+    from .._actor import Actor, endpoint
+    from .._mesh._registry import unlisted
+    from .._runtime._runtime import open_runtime
+    from .._transport import _auth, open_transport
+    from ..testing._inprocess import InProcessHost
+
+    async def play() -> None:
+        class Part(Actor):  # (a local class: cloudpickle sends it by value)
+            def __init__(self) -> None:
+                self.n = 0
+
+            @endpoint
+            def bump(self, x: int) -> int:
+                self.n += x
+                return self.n
+
+        async with (
+            open_runtime(lambda: open_transport()),
+            InProcessHost().spawn_procs({"procs": 1}) as procs,
+        ):
+            part = await procs.spawn("rehearsal", Part)
+            for _ in range(3):
+                await part.bump.call(1)
+                await part.bump.call_one(1)
+                await part.bump.broadcast(1)
+
+    try:
+        with _auth.borrowed_key(secrets.token_bytes(_auth.KEY_SIZE)), unlisted():
+            # (asyncio's own loop, never uvloop's: libuv keeps a pipe per process
+            # once a loop ran, and remakes it at each fork, where the child's first
+            # act, closing every descriptor it inherits, would take it away; a
+            # subprocess of the worker's then aborts it)
+            anyio.run(play, backend="asyncio", backend_options={"use_uvloop": False})
+        _rehearsed = True
+    except Exception as exc:
+        log.debug("the zygote's rehearsal failed: %r", exc)
+    finally:
+        reset_settings()
+
+
 def main() -> None:
     """The zygote: ``python -m amesh._hosts._zygote``, started by :meth:`Zygote.start`."""
     boot = msgspec.json.decode(take_internal(_BOOT_VAR), type=_Boot)
@@ -807,6 +870,7 @@ def main() -> None:
     raise_processes()  # its children and their threads count against its user's limit
     ctl = socket.socket(fileno=boot.ctl_fd)
     _preload()
+    _rehearse()
     _settle()
     # Empty the attribute cache of types: a child's first lookups miss it anyway
     # (the zygote's were the imports'), and each miss then writes the name it evicts

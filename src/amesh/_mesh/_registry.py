@@ -15,13 +15,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 from .._transport._auth import job_key
 
-__all__ = ["Listed", "forget", "read_all", "registry_dir", "set_registry_dir", "update"]
+__all__ = [
+    "Listed",
+    "forget",
+    "read_all",
+    "registry_dir",
+    "set_registry_dir",
+    "unlisted",
+    "update",
+]
 
 log = logging.getLogger("amesh.mesh")
 
@@ -37,12 +46,26 @@ class Listed(Protocol):
 _registry_dir: Callable[[], Path] | None = None
 #: the live meshes of this process, in the order they started
 _live: dict[int, Listed] = {}
+#: meshes are not written while this is set (see :func:`unlisted`)
+_unlisted = False
 
 
 def set_registry_dir(where: Callable[[], Path]) -> None:
     """Register where the files of the registry live (the hosts layer does, on import)."""
     global _registry_dir
     _registry_dir = where
+
+
+@contextmanager
+def unlisted() -> Iterator[None]:
+    """Write no file while in the block: the zygote's rehearsal, a mesh that no one
+    should find, stop or take for a controller's."""
+    global _unlisted
+    _unlisted = True
+    try:
+        yield
+    finally:
+        _unlisted = False
 
 
 def registry_dir() -> Path | None:
@@ -66,7 +89,7 @@ def forget(mesh: Listed) -> None:
 def _write() -> None:
     try:
         where = registry_dir()
-        if where is None:
+        if where is None or _unlisted:
             return
         path = where / f"{os.getpid()}.json"
         meshes = [e for e in (m.listing() for m in _live.values()) if e is not None]

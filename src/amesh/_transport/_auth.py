@@ -47,6 +47,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .._config import settings
@@ -222,6 +224,22 @@ def adopt_key(key: bytes) -> None:
         raise ValueError(f"a job key has {KEY_SIZE} bytes, not {len(key)}")
     with _key_lock:
         _key = bytes(key)
+
+
+@contextmanager
+def borrowed_key(key: bytes) -> Iterator[None]:
+    """Use ``key`` within the block, and afterwards the key this process held before
+    (or none): the zygote's rehearsal (:mod:`amesh._hosts._zygote`) runs a mesh of its
+    own before it knows the job it serves."""
+    global _key
+    with _key_lock:
+        held = _key
+    adopt_key(key)
+    try:
+        yield
+    finally:
+        with _key_lock:
+            _key = held
 
 
 def mac(data: bytes) -> bytes:
