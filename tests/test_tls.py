@@ -302,9 +302,17 @@ class Recorder:
 
     async def handle(self, client: anyio.abc.SocketStream) -> None:
         async with client, await anyio.connect_tcp(LOOPBACK, self.port) as server:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._pump, client, server)
-                tg.start_soon(self._pump, server, client)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._pump, client, server)
+                    tg.start_soon(self._pump, server, client)
+            finally:
+                # Closed in full even when the test cancels this handler: a cancelled
+                # aclose() on asyncio skips its abort(), and a socket with unsent bytes
+                # then stays open until the loop drains it, after the test's leak check.
+                with anyio.CancelScope(shield=True):
+                    await server.aclose()
+                    await client.aclose()
 
     async def _pump(self, src: anyio.abc.SocketStream, dst: anyio.abc.SocketStream) -> None:
         try:
