@@ -58,12 +58,14 @@ import importlib
 import itertools
 import logging
 import os
+import re
 import secrets
 import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -761,6 +763,43 @@ def _shutdown(ctl: socket.socket, children: dict[int, int]) -> None:
     ctl.close()
 
 
+#: what fills the free blocks of the allocator's partly used pools (see _fill_pools)
+_filler: list[object] = []
+#: a line of the size-class table of ``sys._debugmallocstats()``
+_POOL_LINE = re.compile(rb"^\s*\d+\s+(\d+)\s+\d+\s+\d+\s+(\d+)\s*$", re.MULTILINE)
+
+
+def _fill_pools() -> None:
+    """Take every free block of the small-object allocator's partly used pools, so
+    that a child's allocations go to pools of its own (fresh pages, each written by
+    many of its objects) instead of writing one block here and one there in pages it
+    shares with the zygote. The counts per size class come from
+    ``sys._debugmallocstats()``; the blocks are ``bytes`` (and floats and objects for
+    the two smallest classes) of the size that lands in the class. A worker's page
+    faults to its first answer, 256 workers: ~910 -> ~869 on 3.13, ~1,629 -> ~1,584 on
+    3.11; ~0.2 MiB less memory (PSS) a worker. What it takes stays taken: the blocks
+    that were free, a few hundred kB at most."""
+    with tempfile.TemporaryFile() as out:
+        saved = os.dup(2)
+        try:
+            os.dup2(out.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read()
+    for size, avail in _POOL_LINE.findall(text):
+        size, avail = int(size), int(avail)
+        if size <= 16:
+            _filler.extend(object() for _ in range(avail))
+        elif size <= 32:
+            _filler.extend(float(i) + 0.5 for i in range(avail))
+        else:
+            n = size - 33  # a bytes object of n bytes asks for 33 + n
+            _filler.extend(bytes(n) for _ in range(avail))
+
+
 def _settle() -> None:
     """Make what this process has loaded last for the children it forks: keep the
     collector off it (``gc.freeze``: the children share these pages until they write
@@ -771,6 +810,7 @@ def _settle() -> None:
     ~1,650 and 6.3 MiB). Objects made immortal are never freed: what the zygote drops
     later (an environment it replaces) stays, a few kB."""
     gc.collect()
+    _fill_pools()
     if _ext is not None and _ext.CAN_IMMORTALIZE:
         try:
             immortal = settings().zygote_immortal
