@@ -538,25 +538,6 @@ def test_immortalize_makes_objects_and_what_only_they_hold_immortal() -> None:
         _ext.immortalize((thing,))  # type: ignore[arg-type]
 
 
-def _free_blocks() -> dict[int, int]:
-    """The free blocks of the small-object allocator's partly used pools, by size."""
-    import tempfile
-
-    with tempfile.TemporaryFile() as out:
-        saved = os.dup(2)
-        try:
-            os.dup2(out.fileno(), 2)
-            sys._debugmallocstats()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        out.seek(0)
-        text = out.read()
-    from amesh._hosts._zygote import _POOL_LINE
-
-    return {int(size): int(avail) for size, avail in _POOL_LINE.findall(text)}
-
-
 def test_the_zygote_takes_the_free_blocks_of_its_partly_used_pools() -> None:
     """_zygote._fill_pools (before each fork's settling): nearly every free block of
     the allocator's partly used pools is taken, so a child allocates on pages of its
@@ -565,11 +546,11 @@ def test_the_zygote_takes_the_free_blocks_of_its_partly_used_pools() -> None:
 
     spare = [bytes(15) for _ in range(3000)] + [object() for _ in range(3000)]
     del spare[::2]  # free blocks in partly used pools, of 16 and 48 bytes
-    before = _free_blocks()
+    before = _zygote.free_blocks()
     assert len(before) >= 16 and before[16] > 100 and before[48] > 100, before
     try:
         _zygote._fill_pools()
-        after = _free_blocks()
+        after = _zygote.free_blocks()
     finally:
         _zygote._filler.clear()
     assert after[16] < 20 and after[48] < before[48] / 4, (before, after)

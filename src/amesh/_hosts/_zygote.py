@@ -769,16 +769,10 @@ _filler: list[object] = []
 _POOL_LINE = re.compile(rb"^\s*\d+\s+(\d+)\s+\d+\s+\d+\s+(\d+)\s*$", re.MULTILINE)
 
 
-def _fill_pools() -> None:
-    """Take every free block of the small-object allocator's partly used pools, so
-    that a child's allocations go to pools of its own (fresh pages, each written by
-    many of its objects) instead of writing one block here and one there in pages it
-    shares with the zygote. The counts per size class come from
-    ``sys._debugmallocstats()``; the blocks are ``bytes`` (and floats and objects for
-    the two smallest classes) of the size that lands in the class. A worker's page
-    faults to its first answer, 256 workers: ~910 -> ~869 on 3.13, ~1,629 -> ~1,584 on
-    3.11; ~0.2 MiB less memory (PSS) a worker. What it takes stays taken: the blocks
-    that were free, a few hundred kB at most."""
+def free_blocks() -> dict[int, int]:
+    """The free blocks of the small-object allocator's partly used pools, by block
+    size, as ``sys._debugmallocstats()`` writes them (to the C ``stderr``); empty where
+    it writes none (another allocator)."""
     with tempfile.TemporaryFile() as out:
         saved = os.dup(2)
         try:
@@ -789,8 +783,20 @@ def _fill_pools() -> None:
             os.close(saved)
         out.seek(0)
         text = out.read()
-    for size, avail in _POOL_LINE.findall(text):
-        size, avail = int(size), int(avail)
+    return {int(size): int(avail) for size, avail in _POOL_LINE.findall(text)}
+
+
+def _fill_pools() -> None:
+    """Take every free block of the small-object allocator's partly used pools, so
+    that a child's allocations go to pools of its own (fresh pages, each written by
+    many of its objects) instead of writing one block here and one there in pages it
+    shares with the zygote. The counts per size class come from
+    ``sys._debugmallocstats()``; the blocks are ``bytes`` (and floats and objects for
+    the two smallest classes) of the size that lands in the class. A worker's page
+    faults to its first answer, 256 workers: ~910 -> ~869 on 3.13, ~1,629 -> ~1,584 on
+    3.11; ~0.2 MiB less memory (PSS) a worker. What it takes stays taken: the blocks
+    that were free, a few hundred kB at most."""
+    for size, avail in free_blocks().items():
         if size <= 16:
             _filler.extend(object() for _ in range(avail))
         elif size <= 32:
