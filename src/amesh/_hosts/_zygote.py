@@ -816,7 +816,7 @@ def _settle() -> None:
     ~1,650 and 6.3 MiB). Objects made immortal are never freed: what the zygote drops
     later (an environment it replaces) stays, a few kB."""
     gc.collect()
-    _fill_pools()
+    _fill_pools()  # (what the children allocate goes to pools of their own)
     if _ext is not None and _ext.CAN_IMMORTALIZE:
         try:
             immortal = settings().zygote_immortal
@@ -856,9 +856,10 @@ def _rehearse() -> None:
 
     It runs on a throwaway key, is written in no registry of meshes (``amesh list``),
     and leaves nothing behind: no thread (forking needs this process to have one), no
-    descriptor, no settings. Only on the default stream
-    transport: NNG keeps threads of its own once used. What fails is left alone; the
-    workers then do that work themselves, as before."""
+    descriptor, no settings. Only on the default stream transport: NNG keeps threads
+    of its own once used. What fails is left alone; the workers then do that work
+    themselves, as before. A worker's page faults to its first answer, 256 workers on
+    3.13: ~986 -> ~938, its CPU ~9% less (3.11: ~2% fewer faults)."""
     global _rehearsed
     if default_impl() != "stream":
         return
