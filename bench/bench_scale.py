@@ -167,10 +167,10 @@ def _one_size(n: int, calls: int, casts: int) -> dict[str, Any]:
             spawn = time.perf_counter() - t0
             mine = _proc_cpu(me) - mine0
             started = [(_proc_cpu(pid), _faults(pid)) for pid in procs.pids]
-            parents = {_stat(pid)[1] for pid in procs.pids}
+            ppids = [int(_stat(pid)[1]) for pid in procs.pids]
             # a worker whose parent is this process was exec'd, not forked by the zygote
-            forked = sum(1 for pid in procs.pids if _stat(pid)[1:2] != [str(me)])
-            zygotes = sum(_proc_cpu(int(p)) for p in parents if p != str(me))
+            forked = sum(1 for p in ppids if p != me)
+            zygotes = sum(_proc_cpu(p) for p in set(ppids) if p != me)
             for _ in range(3):
                 await nodes.noop.call()
             pids = list(procs.pids)

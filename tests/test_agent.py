@@ -137,9 +137,8 @@ async def agents(
             a.stop()
             sys.stderr.write(f"agent {a.addr} logged:\n{''.join(a.log)}")
         raise
-    finally:
-        for a in started:
-            a.stop()
+    for a in started:
+        a.stop()
 
 
 def ancestors(pid: int) -> list[int]:

@@ -135,7 +135,7 @@ class MeshSupervisor:
         """
         rt = st.runtime
         last_tick = hearing_since = anyio.current_time()
-        while not st.closing:
+        while True:
             with anyio.move_on_after(self._period):
                 await st.closed.wait()  # (ends this at once with the mesh, not a tick later)
             if st.closing:
