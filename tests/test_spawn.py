@@ -98,6 +98,7 @@ class Shell(amesh.Actor):
             "loop": loop,
             # (a forked worker's __main__ is the zygote's: python -m amesh._hosts._zygote)
             "rehearsed": getattr(sys.modules["__main__"], "_rehearsed", None),
+            "relocated": getattr(sys.modules["__main__"], "_relocated", None),
             "ppid": os.getppid(),
         }
 
@@ -109,7 +110,8 @@ async def test_the_zygotes_rehearsal_leaves_its_workers_whole(
     what its workers inherit still works: they run on uvloop and start subprocesses
     through it (a rehearsal on uvloop left libuv a pipe that each child closed with
     the zygote's descriptors: their first subprocess aborted them), and the zygote
-    keeps one thread."""
+    keeps one thread. The code the rehearsal ran was copied together (_relocate):
+    the workers run the copies."""
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 2}) as procs:
             shell = await procs.spawn("shell", Shell)
@@ -119,6 +121,7 @@ async def test_the_zygotes_rehearsal_leaves_its_workers_whole(
             assert threads_of(zygote) == 1
     for s in seen:
         assert (s["returncode"], s["stdout"], s["rehearsed"]) == (0, b"hi\n", True), s
+        assert s["relocated"] > 100, s
         assert s["ppid"] == zygote
         if anyio_backend[0] == "asyncio":
             assert s["loop"].startswith("uvloop"), s
@@ -555,6 +558,96 @@ def test_the_zygote_takes_the_free_blocks_of_its_partly_used_pools() -> None:
         _zygote._filler.clear()
     assert after[16] < 20 and after[48] < before[48] / 4, (before, after)
     assert sum(after.values()) < sum(before.values()) / 4, (before, after)
+
+
+def _python(code: str) -> str:
+    """What a fresh interpreter running ``code`` prints (it must succeed in 60 s)."""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+_RELOCATE = """
+import gc, json
+from amesh._hosts import _zygote
+
+def outer(x):
+    def inner(y):
+        return x + y
+    return inner
+
+def plain(a, b=2, *, c=1):
+    return a * b + c
+
+def left_alone():
+    return "same"
+
+[inner_code] = [c for c in outer.__code__.co_consts if type(c) is type(plain.__code__)]
+before = outer.__code__, plain.__code__, inner_code, left_alone.__code__
+made_before = outer(1)
+ran = {id(c): c for c in (plain.__code__, outer.__code__, inner_code)}
+moved = _zygote._relocate(ran)
+made_after = outer(1)
+print(json.dumps({
+    "moved": moved,
+    "copied": [f.__code__ is not old for f, old in zip((outer, plain), before)],
+    "equal": [outer.__code__ == before[0], plain.__code__ == before[1]],
+    "inner": [
+        made_after.__code__ is not inner_code,
+        made_after.__code__ in outer.__code__.co_consts,
+    ],
+    "results": [made_before(2), made_after(2), plain(3), plain(3, 4, c=0), left_alone()],
+    "left_alone": left_alone.__code__ is before[3],
+}))
+"""
+
+
+def test_the_zygote_copies_the_code_it_rehearsed_together() -> None:
+    """_zygote._relocate: each function whose code object ran (an outer one, the
+    closure it makes, a plain one) runs an equal copy afterwards, and a closure made
+    afterwards runs the copy of its code (the outer's constants are copied too);
+    other functions are left alone, and every one answers as before."""
+    import json
+
+    assert json.loads(_python(_RELOCATE)) == {
+        "moved": 3,  # outer, plain, and the closure made before
+        "copied": [True, True],
+        "equal": [True, True],
+        "inner": [True, True],
+        "results": [3, 3, 7, 12, "same"],
+        "left_alone": True,
+    }
+
+
+_FILL_HEAP = """
+from amesh._hosts import _zygote
+
+libc = _zygote._libc()
+spare = [libc.malloc(s) for s in (100, 200, 700, 3000, 20000) for _ in range(60)]
+for address in spare[::2]:  # free chunks between used ones, in each of the C bins
+    libc.free(address)
+before = libc.mallinfo2()
+taken = _zygote._fill_heap()
+after = libc.mallinfo2()
+print(taken, before.ordblks, before.smblks, before.fordblks - before.keepcost,
+      after.ordblks, after.smblks, after.fordblks - after.keepcost)
+"""
+
+
+def test_the_zygote_takes_the_free_chunks_of_its_heap() -> None:
+    """_zygote._fill_heap (in each settling): every free chunk of glibc's heap is
+    taken, small and large, so that a child's malloc carves fresh pages from the top
+    instead of writing shared ones: afterwards the top is the heap's only free chunk."""
+    out = _python(_FILL_HEAP)
+    taken, chunks, _, free, chunks_after, fast_after, free_after = map(int, out.split())
+    assert taken >= 150 and chunks >= 100 and free >= 150 * 100, out
+    assert (chunks_after, fast_after, free_after) == (1, 0, 0), out
 
 
 def _send_raw(zygote: Any, change: dict[str, str], base: dict[str, str] | None) -> Any:

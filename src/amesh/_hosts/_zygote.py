@@ -67,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -806,6 +807,109 @@ def _fill_pools() -> None:
             _filler.extend(bytes(n) for _ in range(avail))
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+#: what fills the free chunks of the C allocator's heap (see _fill_heap): their addresses
+_heap_filler: list[int] = []
+#: the request sizes _fill_heap takes free chunks with: large ones first, then each of
+#: the C allocator's small size classes (16 bytes apart; the per-thread caches hold up
+#: to 1,032 bytes), all under the size it would map on its own (128 KiB)
+_HEAP_SIZES = [1 << k for k in range(16, 10, -1)] + list(range(1016, 15, -16))
+
+
+def _libc() -> Any:
+    """glibc's malloc, free, sbrk and mallinfo2, or None (another C library, or a glibc before
+    2.33)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = _Mallinfo2
+    except (OSError, AttributeError):
+        return None
+    libc.sbrk.restype = ctypes.c_void_p
+    libc.sbrk.argtypes = [ctypes.c_ssize_t]
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _fill_heap() -> int:
+    """Take every free chunk of the C allocator's heap (glibc's ``malloc``: its bins and
+    per-thread caches), as :func:`_fill_pools` does for Python's small-object
+    allocator, and for the same reason: a child's ``malloc`` then carves its memory from
+    the top of the heap, fresh pages each written by many of its allocations, instead of
+    a chunk here and there on pages it shares with the zygote (each taken chunk writes
+    its own page, and unlinking it the pages of its neighbours in the bin). Returns how
+    many chunks it took (0 where the C library is not glibc).
+
+    A size is asked for until ``malloc`` answers from the top chunk (at or above
+    ``sbrk(0)`` less the top's size): no free chunk fits it any longer. What it takes
+    stays taken, never written again: the free chunks there were, a few hundred kB, and
+    one request a size from the top. The zygote runs one thread, so one heap."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    taken = 0
+    for size in _HEAP_SIZES:
+        for _ in range(1 << 16):
+            top = libc.sbrk(0) - libc.mallinfo2().keepcost
+            address = libc.malloc(size)
+            if address is None:  # out of memory: leave the rest free
+                return taken
+            _heap_filler.append(address)
+            if address >= top:
+                break
+            taken += 1
+    return taken
+
+
+def _relocate(ran: Mapping[int, types.CodeType]) -> int:
+    """Copy the code objects ``ran`` (id to code, in the order they first ran) to pages of
+    their own, one after the other, and point their functions (and the code objects
+    whose constants they are) at the copies. Returns how many functions now run a copy.
+
+    A call writes the function's code object (its reference count; on 3.11 also its
+    warm-up counter and specialized instructions), so a child copies the page of every
+    code object it runs; as imported, those lie among all the others and the names,
+    tuples and strings unmarshalled with them, a page or so each. Copied together after
+    the imports (pools and heap filled first, so they land on fresh pages), the ones a
+    worker runs share ~100 pages. Code objects compare by value: they are told apart
+    here by identity."""
+    gc.collect()
+    _fill_pools()
+    _fill_heap()
+    copies: dict[int, types.CodeType] = {}
+
+    def copy(code: types.CodeType) -> types.CodeType:
+        if (done := copies.get(id(code))) is not None:
+            return done
+        consts = tuple(
+            copy(c) if type(c) is types.CodeType and id(c) in ran else c for c in code.co_consts
+        )
+        copies[id(code)] = new = code.replace(co_consts=consts)
+        return new
+
+    for code in ran.values():
+        copy(code)
+    moved = 0
+    for f in gc.get_objects():
+        if type(f) is types.FunctionType and (new := copies.get(id(f.__code__))) is not None:
+            try:
+                f.__code__ = new
+            except ValueError:  # (cannot happen: the copy has the same free variables)
+                continue
+            moved += 1
+    return moved
+
+
 def _settle() -> None:
     """Make what this process has loaded last for the children it forks: keep the
     collector off it (``gc.freeze``: the children share these pages until they write
@@ -816,7 +920,9 @@ def _settle() -> None:
     ~1,650 and 6.3 MiB). Objects made immortal are never freed: what the zygote drops
     later (an environment it replaces) stays, a few kB."""
     gc.collect()
-    _fill_pools()  # (what the children allocate goes to pools of their own)
+    # (what the children allocate goes to pools and heap pages of their own)
+    _fill_pools()
+    _fill_heap()
     if _ext is not None and _ext.CAN_IMMORTALIZE:
         try:
             immortal = settings().zygote_immortal
@@ -840,9 +946,11 @@ def _preload() -> None:
             pass
 
 
-#: whether :func:`_rehearse` played its part (its children inherit it, as their
-#: ``__main__``'s: tests ask them)
+#: whether :func:`_rehearse` played its part, and how many functions' code it copied
+#: (see :func:`_relocate`); its children inherit them, as their ``__main__``'s: tests
+#: ask them
 _rehearsed = False
+_relocated = 0
 
 
 def _rehearse() -> None:
@@ -859,8 +967,11 @@ def _rehearse() -> None:
     descriptor, no settings. Only on the default stream transport: NNG keeps threads
     of its own once used. What fails is left alone; the workers then do that work
     themselves, as before. A worker's page faults to its first answer, 256 workers on
-    3.13: ~986 -> ~938, its CPU ~9% less (3.11: ~2% fewer faults)."""
-    global _rehearsed
+    3.13: ~986 -> ~938, its CPU ~9% less (3.11: ~2% fewer faults).
+
+    The first play notes each code object it runs (``sys.setprofile``): those are the
+    ones :func:`_relocate` copies together; a second play specializes the copies."""
+    global _rehearsed, _relocated
     if default_impl() != "stream":
         return
     from .._actor import Actor, endpoint
@@ -889,12 +1000,26 @@ def _rehearse() -> None:
                 await part.bump.call_one(1)
                 await part.bump.broadcast(1)
 
+    ran: dict[int, types.CodeType] = {}
+
+    def note(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            ran.setdefault(id(frame.f_code), frame.f_code)
+
     try:
         with _auth.borrowed_key(secrets.token_bytes(_auth.KEY_SIZE)), unlisted():
             # (asyncio's own loop, never uvloop's: libuv keeps a pipe per process
             # once a loop ran, and remakes it at each fork, where the child's first
             # act, closing every descriptor it inherits, would take it away; a
             # subprocess of the worker's then aborts it)
+            profile = sys.getprofile()
+            sys.setprofile(note)
+            try:
+                anyio.run(play, backend="asyncio", backend_options={"use_uvloop": False})
+            finally:
+                sys.setprofile(profile)
+            _relocated = _relocate(ran)
+            # again, on the copies: their instructions are specialized here once more
             anyio.run(play, backend="asyncio", backend_options={"use_uvloop": False})
         _rehearsed = True
     except Exception as exc:
