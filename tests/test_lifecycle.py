@@ -301,10 +301,17 @@ def test_keyboard_interrupt_propagates_out_of_amesh_run(backend: str) -> None:
     assert wait_pid_gone(int(worker), 10)
 
 
-async def test_workers_ignore_sigint() -> None:
+@pytest.mark.parametrize("zygote", ["1", "0"], ids=["forked", "execd"])
+async def test_workers_ignore_sigint(zygote: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote's child inherits the zygote's SIGINT ignored; an exec'd worker ignores
+    it itself."""
+    monkeypatch.setenv("AMESH_ZYGOTE", zygote)
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 1}) as procs:
             c = await procs.spawn("c", Counter)
+            with open(f"/proc/{procs.pids[0]}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            assert (ppid == os.getpid()) == (zygote == "0")
             os.kill(procs.pids[0], signal.SIGINT)  # as a terminal's Ctrl-C would
             assert await c.incr.call_one() == 1
 

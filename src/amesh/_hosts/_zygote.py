@@ -52,6 +52,7 @@ runtime.
 from __future__ import annotations
 
 import array
+import codecs
 import ctypes
 import gc
 import importlib
@@ -976,11 +977,22 @@ def _rehearse() -> None:
         return
     from .._actor import Actor, endpoint
     from .._mesh._registry import unlisted
+    from .._runtime import _capture
     from .._runtime._runtime import open_runtime
     from .._transport import _auth, open_transport
     from ..testing._inprocess import InProcessHost
 
+    def start() -> None:
+        # What a worker's start does before its loop runs, less what it changes for
+        # good (descriptors, threads, the streams): each call leaves nothing behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (as it is here already)
+        _capture.Capture("rehearsal", 0, ())
+        codecs.getincrementaldecoder("utf-8")("replace")
+        threading.Thread(target=start, name="rehearsal", daemon=True)
+
     async def play() -> None:
+        start()
+
         class Part(Actor):  # (a local class: cloudpickle sends it by value)
             def __init__(self) -> None:
                 self.n = 0

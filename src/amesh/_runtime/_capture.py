@@ -305,7 +305,8 @@ class Capture:
         sys.stderr = cast(TextIO, _Writer(self, STDERR))
         warnings.showwarning = _show_warning
         root = logging.getLogger()
-        root.setLevel(level)
+        if root.level != logging.getLevelName(level):  # (setLevel empties every logger's
+            root.setLevel(level)  # cache, on pages a zygote's child shares: ~25 copies)
         root.addHandler(self._handler)
         os.register_at_fork(after_in_child=self._after_fork)
         atexit.register(self._at_exit)
