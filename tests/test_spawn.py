@@ -650,6 +650,34 @@ def test_the_zygote_takes_the_free_chunks_of_its_heap() -> None:
     assert (chunks_after, fast_after, free_after) == (1, 0, 0), out
 
 
+_FILL_HEAP_LIED_TO = """
+from amesh._hosts import _zygote
+
+real = _zygote._libc()
+
+class Lying:
+    def __getattr__(self, name):
+        return getattr(real, name)
+
+    def sbrk(self, increment):
+        return 1 << 62  # the top is never where it says: every answer looks like a hole
+
+_zygote._libc = Lying
+before = real.mallinfo2()
+_zygote._fill_heap()
+after = real.mallinfo2()
+print(after.uordblks + after.hblkhd - before.uordblks - before.hblkhd,
+      before.fordblks - before.keepcost)
+"""
+
+
+def test_the_zygotes_heap_filling_takes_no_more_than_was_free() -> None:
+    """Should glibc's top chunk not be where ``sbrk`` says, _fill_heap would never see
+    an answer from the top: it still stops once it took what was free, and 1 MiB."""
+    grown, free = map(int, _python(_FILL_HEAP_LIED_TO).split())
+    assert 0 < grown <= free + (2 << 20), (grown, free)
+
+
 def _send_raw(zygote: Any, change: dict[str, str], base: dict[str, str] | None) -> Any:
     """Send the zygote a request as the controller would not; its pending request."""
     import array
