@@ -265,6 +265,19 @@ def test_workers_exit_when_the_controller_is_sigkilled(tmp_path: Path) -> None:
             ctl.stdout.close()
 
 
+def python_output(code: str) -> str:
+    """What a fresh interpreter running ``code`` prints (it must succeed in 60 s)."""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_keyboard_interrupt_propagates_out_of_amesh_run(backend: str) -> None:
     code = textwrap.dedent(
@@ -288,15 +301,7 @@ def test_keyboard_interrupt_propagates_out_of_amesh_run(backend: str) -> None:
             print("KeyboardInterrupt", flush=True)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert out.returncode == 0, out.stderr
-    worker, last = out.stdout.split()
+    worker, last = python_output(code).split()
     assert last == "KeyboardInterrupt"
     assert wait_pid_gone(int(worker), 10)
 

@@ -21,7 +21,7 @@ from amesh import Failure, ProcMesh, SupervisionError
 from amesh.testing._leaks import child_pids
 
 from .actors import Counter, Mortal
-from .test_lifecycle import wait_pid_gone
+from .test_lifecycle import python_output, wait_pid_gone
 
 pytestmark = pytest.mark.anyio
 
@@ -560,19 +560,6 @@ def test_the_zygote_takes_the_free_blocks_of_its_partly_used_pools() -> None:
     assert sum(after.values()) < sum(before.values()) / 4, (before, after)
 
 
-def _python(code: str) -> str:
-    """What a fresh interpreter running ``code`` prints (it must succeed in 60 s)."""
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
 _RELOCATE = """
 import gc, json
 from amesh._hosts import _zygote
@@ -615,7 +602,7 @@ def test_the_zygote_copies_the_code_it_rehearsed_together() -> None:
     other functions are left alone, and every one answers as before."""
     import json
 
-    assert json.loads(_python(_RELOCATE)) == {
+    assert json.loads(python_output(_RELOCATE)) == {
         "moved": 3,  # outer, plain, and the closure made before
         "copied": [True, True],
         "equal": [True, True],
@@ -644,7 +631,7 @@ def test_the_zygote_takes_the_free_chunks_of_its_heap() -> None:
     """_zygote._fill_heap (in each settling): every free chunk of glibc's heap is
     taken, small and large, so that a child's malloc carves fresh pages from the top
     instead of writing shared ones: afterwards the top is the heap's only free chunk."""
-    out = _python(_FILL_HEAP)
+    out = python_output(_FILL_HEAP)
     taken, chunks, _, free, chunks_after, fast_after, free_after = map(int, out.split())
     assert taken >= 150 and chunks >= 100 and free >= 150 * 100, out
     assert (chunks_after, fast_after, free_after) == (1, 0, 0), out
@@ -674,7 +661,7 @@ print(after.uordblks + after.hblkhd - before.uordblks - before.hblkhd,
 def test_the_zygotes_heap_filling_takes_no_more_than_was_free() -> None:
     """Should glibc's top chunk not be where ``sbrk`` says, _fill_heap would never see
     an answer from the top: it still stops once it took what was free, and 1 MiB."""
-    grown, free = map(int, _python(_FILL_HEAP_LIED_TO).split())
+    grown, free = map(int, python_output(_FILL_HEAP_LIED_TO).split())
     assert 0 < grown <= free + (2 << 20), (grown, free)
 
 

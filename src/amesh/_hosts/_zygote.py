@@ -878,6 +878,14 @@ def _fill_heap() -> int:
     return taken
 
 
+def _take_free() -> None:
+    """Collect, then take what the allocators hold free (:func:`_fill_pools`,
+    :func:`_fill_heap`): what is allocated next lands on fresh pages."""
+    gc.collect()
+    _fill_pools()
+    _fill_heap()
+
+
 def _relocate(ran: Mapping[int, types.CodeType]) -> int:
     """Copy the code objects ``ran`` (id to code, in the order they first ran) to pages of
     their own, one after the other, and point their functions (and the code objects
@@ -890,9 +898,7 @@ def _relocate(ran: Mapping[int, types.CodeType]) -> int:
     the imports (pools and heap filled first, so they land on fresh pages), the ones a
     worker runs share ~125 pages instead of ~245. Code objects compare by value: they
     are told apart here by identity."""
-    gc.collect()
-    _fill_pools()
-    _fill_heap()
+    _take_free()
     copies: dict[int, types.CodeType] = {}
 
     def copy(code: types.CodeType) -> types.CodeType:
@@ -909,10 +915,7 @@ def _relocate(ran: Mapping[int, types.CodeType]) -> int:
     moved = 0
     for f in gc.get_objects():
         if type(f) is types.FunctionType and (new := copies.get(id(f.__code__))) is not None:
-            try:
-                f.__code__ = new
-            except ValueError:  # (cannot happen: the copy has the same free variables)
-                continue
+            f.__code__ = new  # (the copy has the same free variables)
             moved += 1
     return moved
 
@@ -926,10 +929,7 @@ def _settle() -> None:
     its first answer, on 3.13 (256 workers): ~1,485 -> ~955; PSS 5.6 -> 3.5 MiB (3.11:
     ~1,650 and 6.3 MiB). Objects made immortal are never freed: what the zygote drops
     later (an environment it replaces) stays, a few kB."""
-    gc.collect()
-    # (what the children allocate goes to pools and heap pages of their own)
-    _fill_pools()
-    _fill_heap()
+    _take_free()  # (what the children allocate goes to pages of their own)
     if _ext is not None and _ext.CAN_IMMORTALIZE:
         try:
             immortal = settings().zygote_immortal
