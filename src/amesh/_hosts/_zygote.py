@@ -491,16 +491,11 @@ class Zygote:
         self._popen.stdin.close()
 
     async def _on_exit(self) -> None:
-        """The reader ends: end the zygote, reap it and settle what it would have told."""
+        """The reader ends: end the zygote, reap it and settle what it would have told
+        (in that order: whoever hears of its workers' ends finds it reaped)."""
         self._let_go()
         for req in self._requests.values():
             req.done.set()
-        # Only the zygote could tell how its children ended; they were killed above,
-        # or by the kernel at the zygote's death. Their pidfds tell when.
-        for proc in list(self._live.values()):
-            await anyio.wait_readable(proc._pidfd)
-            proc._set_exit(-signal.SIGKILL)
-        self._live.clear()
         with anyio.move_on_after(STOP_TIMEOUT):
             await anyio.wait_readable(self._pidfd)
         if self._popen.poll() is None:
@@ -508,6 +503,12 @@ class Zygote:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
             await anyio.wait_readable(self._pidfd)
         self._popen.wait()
+        # Only the zygote could tell how its children ended; they were killed above,
+        # or by the kernel at the zygote's death. Their pidfds tell when.
+        for proc in list(self._live.values()):
+            await anyio.wait_readable(proc._pidfd)
+            proc._set_exit(-signal.SIGKILL)
+        self._live.clear()
         anyio.notify_closing(self._sock)
         self._sock.close()
         os.close(self._pidfd)
