@@ -108,10 +108,10 @@ async def test_the_zygotes_rehearsal_leaves_its_workers_whole(
 ) -> None:
     """The zygote plays a one-process mesh before it forks (_zygote._rehearse), and
     what its workers inherit still works: they run on uvloop and start subprocesses
-    through it (a rehearsal on uvloop left libuv a pipe that each child closed with
-    the zygote's descriptors: their first subprocess aborted them), and the zygote
-    keeps one thread. The code the rehearsal ran was copied together (_relocate):
-    the workers run the copies."""
+    through it (the rehearsal runs on uvloop too, which leaves libuv a pipe that libuv
+    makes anew in each child: a child that closed it with the zygote's descriptors
+    aborted at its first subprocess), and the zygote keeps one thread. The code the
+    rehearsal ran was copied together (_relocate): the workers run the copies."""
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 2}) as procs:
             shell = await procs.spawn("shell", Shell)
@@ -156,10 +156,14 @@ async def test_a_forked_worker_holds_none_of_the_zygotes_descriptors() -> None:
     assert list(theirs.values()).count("anon_inode:[pidfd]") == 27
     sockets = {t for fd, t in theirs.items() if fd > 2 and t.startswith("socket:")}
     assert sockets, "the zygote's control socket"
+    # the pipe libuv keeps once the rehearsal's loop ran: each child has one of its own
+    pipes = {t for fd, t in theirs.items() if fd > 2 and t.startswith("pipe:")}
+    assert len(pipes) == 1, theirs
     for fds in workers:
         assert fds[0] == theirs[0]  # the lifeline
         assert "anon_inode:[pidfd]" not in fds.values()
         assert not sockets & set(fds.values())
+        assert not pipes & set(fds.values())
         # the controller's stdout and stderr, as the capture keeps them: its own pair only
         # (a request's pair for each worker forked in the same batch, if they leaked)
         assert sorted(t for t in fds.values() if t in mine.values()) == sorted(mine.values())

@@ -80,7 +80,7 @@ try:
 except ImportError:  # not built (not Linux): no zygote runs anyway
     _ext = None  # type: ignore[assignment]
 from .._bootstrap import Bootstrap
-from .._config import VARIABLES, settings, take_internal
+from .._config import VARIABLES, loop_options, settings, take_internal
 from .._config import reset as reset_settings
 from .._limits import raise_open_files, raise_processes
 from .._transport import default_impl
@@ -620,6 +620,7 @@ class _Server:
         }:
             _prepare_tls(key)
         n = _threads()
+        keep = self._kept_in_child()
         sys.stdout.flush()
         sys.stderr.flush()
         forked: list[tuple[Spawn, list[int], int]] = []
@@ -652,7 +653,7 @@ class _Server:
                 failed.append((req.id, fds, f"fork: {exc}"))
                 continue
             if pid == 0:
-                self._become_child(fds)
+                self._become_child(fds, keep)
                 return req
             forked.append((req, fds, pid))
         for rid, fds, error in failed:
@@ -673,16 +674,37 @@ class _Server:
             _report(self.ctl, Spawned(req.id, pid), [pidfd])
         return None
 
-    def _become_child(self, fds: list[int]) -> None:
-        """Make ``fds`` stdout and stderr, and close every other descriptor above 2:
-        all are the zygote's (its control socket, its children's pidfds, the batch's
-        descriptors). One ``close_range`` (Linux 5.9; elsewhere a loop in C up to
+    def _kept_in_child(self) -> list[int]:
+        """The descriptors a child forked now keeps: where libuv's pipe will be.
+
+        Once a libuv loop ran in a process (the rehearsal's, :data:`_kept`), libuv
+        keeps a pipe for good, and remakes it in each child as it forks (its
+        ``pthread_atfork`` handler: it closes the pair, then opens a new one, which gets
+        the two lowest numbers free). A child that closed that pipe with the zygote's
+        descriptors aborts at its first subprocess. Which numbers those are follows from
+        the descriptors this process holds now (none opens or closes while a batch is
+        forked)."""
+        if not _kept:
+            return []
+        held = _open_fds() - _kept
+        free = (fd for fd in itertools.count() if fd not in held)
+        return sorted(next(free) for _ in _kept)
+
+    def _become_child(self, fds: list[int], keep: list[int]) -> None:
+        """Make ``fds`` stdout and stderr, and close every other descriptor above 2 but
+        ``keep`` (libuv's, see :meth:`_kept_in_child`): all are the zygote's (its
+        control socket, its children's pidfds, the batch's descriptors). A
+        ``close_range`` per stretch (Linux 5.9; elsewhere a loop in C up to
         :attr:`top`): closing the pidfds one by one cost every child ~0.5 µs a child
         forked before it."""
         for target, fd in zip((1, 2), fds):
             os.dup2(fd, target)
         self.ctl.detach()  # (its number is closed below, not by the object)
-        os.closerange(3, self.top + 1)
+        low = 3
+        for fd in keep:
+            os.closerange(low, fd)
+            low = max(low, fd + 1)
+        os.closerange(low, self.top + 1)
 
 
 def _adopt_env(env: dict[str, str]) -> None:
@@ -959,6 +981,8 @@ def _preload() -> None:
 #: ask them
 _rehearsed = False
 _relocated = 0
+#: descriptors the rehearsal left open: the pipe libuv keeps once a loop of its ran
+_kept: set[int] = set()
 
 
 def _rehearse() -> None:
@@ -971,11 +995,16 @@ def _rehearse() -> None:
     the types' caches. ~10 ms here, once.
 
     It runs on a throwaway key, is written in no registry of meshes (``amesh list``),
-    and leaves nothing behind: no thread (forking needs this process to have one), no
-    descriptor, no settings. Only on the default stream transport: NNG keeps threads
-    of its own once used. What fails is left alone; the workers then do that work
-    themselves, as before. A worker's page faults to its first answer, 256 workers on
-    3.13: ~986 -> ~938, its CPU ~9% less (3.11: ~2% fewer faults).
+    on the event loop a worker runs (uvloop's, where it is installed), and leaves
+    nothing behind: no thread (forking needs this process to have one), no settings,
+    and no descriptor but the pipe libuv keeps for good once one of its loops ran
+    (:data:`_kept`; a child keeps the one libuv makes anew at the fork, see
+    :meth:`_Server._kept_in_child`). Only on the default stream transport: NNG keeps
+    threads of its own once used. What fails is left alone; the workers then do that
+    work themselves, as before. A worker's page faults to its first answer, 256
+    workers on 3.13: ~986 -> ~938, its CPU ~9% less (3.11: ~2% fewer faults). On
+    uvloop rather than asyncio's own loop (which the rehearsal ran on until libuv's
+    pipe was kept): ~57 fewer on 3.11 (16 workers: 1,406 -> 1,349).
 
     The first play notes each code object it runs (``sys.setprofile``): those are the
     ones :func:`_relocate` copies together; a second play specializes the copies."""
@@ -1025,26 +1054,52 @@ def _rehearse() -> None:
         if event == "call":
             ran.setdefault(id(frame.f_code), frame.f_code)
 
+    # on the event loop a worker runs (uvloop, where it is installed)
+    options = loop_options("asyncio")
+    before = _open_fds()
     try:
         with _auth.borrowed_key(secrets.token_bytes(_auth.KEY_SIZE)), unlisted():
-            # (asyncio's own loop, never uvloop's: libuv keeps a pipe per process
-            # once a loop ran, and remakes it at each fork, where the child's first
-            # act, closing every descriptor it inherits, would take it away; a
-            # subprocess of the worker's then aborts it)
             profile = sys.getprofile()
             sys.setprofile(note)
             try:
-                anyio.run(play, backend="asyncio", backend_options={"use_uvloop": False})
+                anyio.run(play, backend="asyncio", backend_options=options)
             finally:
                 sys.setprofile(profile)
             _relocated = _relocate(ran)
             # again, on the copies: their instructions are specialized here once more
-            anyio.run(play, backend="asyncio", backend_options={"use_uvloop": False})
+            anyio.run(play, backend="asyncio", backend_options=options)
         _rehearsed = True
     except Exception as exc:
         log.debug("the zygote's rehearsal failed: %r", exc)
     finally:
         reset_settings()
+        # what a loop leaves for good: libuv's pipe (see _Server._kept_in_child);
+        # anything else a child closes, as it does every descriptor of this process
+        left = sorted(_open_fds() - before)
+        ends = {_fd_kind(fd) for fd in left}
+        if len(left) == 2 and len(ends) == 1 and ends.pop().startswith("pipe:"):
+            _kept.update(left)
+        elif left:
+            log.debug("the zygote's rehearsal left descriptors open: %s", left)
+
+
+def _fd_kind(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _open_fds() -> set[int]:
+    """The descriptors this process holds (without the listing's own)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.fstat(int(name))
+        except OSError:  # the listing's own, closed by now
+            continue
+        fds.add(int(name))
+    return fds
 
 
 def main() -> None:
