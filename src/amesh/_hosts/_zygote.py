@@ -7,8 +7,9 @@ child per worker, which listens a few milliseconds later.
 
 Why forking it is safe: the zygote is exec'd fresh (never forked from the controller,
 which may hold threads, an event loop, CUDA), imports only what a worker needs and
-never starts a thread, an event loop or an NNG socket; before each fork it checks that
-it has exactly one thread, so a child inherits no lock that another thread held. torch
+never starts a thread or an NNG socket; the one event loop it runs (its rehearsal of a
+worker's part, :func:`_rehearse`) is closed before it forks. Before each fork it checks
+that it has exactly one thread, so a child inherits no lock that another thread held. torch
 and CUDA are never imported in the zygote: a worker imports them after the fork, under
 its own environment, so a per-worker ``CUDA_VISIBLE_DEVICES`` works as with exec.
 What a fork cannot change is what an interpreter or the dynamic loader reads at start
