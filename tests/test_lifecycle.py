@@ -278,6 +278,43 @@ def python_output(code: str) -> str:
     return out.stdout
 
 
+_BARE_ASYNCIO = """
+import asyncio
+import amesh
+from amesh._runtime._runtime import current_runtime
+
+class Counter(amesh.Actor):
+    def __init__(self):
+        self.n = 0
+
+    @amesh.endpoint
+    def incr(self):
+        self.n += 1
+        return self.n
+
+async def main():
+    async with amesh.ProcMesh(
+        per_host={"procs": 2}, heartbeat_period=0.05, heartbeat_timeout=0.5
+    ) as procs:
+        counter = await procs.spawn("counter", Counter)
+        rt = current_runtime()
+        while rt.statistics().heartbeats_received < 40:  # ~1 s: two heartbeat timeouts
+            await asyncio.sleep(0.05)
+        print((await counter.incr.call()).values(), rt.statistics().frames_dropped)
+
+asyncio.run(main())
+"""
+
+
+def test_a_mesh_under_asyncio_run_hears_its_workers_heartbeats() -> None:
+    """A script under ``asyncio.run`` (not ``amesh.run``) that opens a ProcMesh itself:
+    nothing told sniffio which library runs, so only a task knew, and the heartbeats,
+    which arrive in the transport's protocol callbacks, were dropped (anyio could not
+    tell the time there): every worker was failed for silence after
+    ``heartbeat_timeout``. Now the runtime says so for its context, as anyio.run does."""
+    assert python_output(_BARE_ASYNCIO).split() == ["[1,", "1]", "0"]
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_keyboard_interrupt_propagates_out_of_amesh_run(backend: str) -> None:
     code = textwrap.dedent(

@@ -502,10 +502,22 @@ class open_runtime:
         self._tg: TaskGroup | None = None
         self._rt: Runtime | None = None
         self._token: Any = None
+        self._library: Any = None
 
     async def __aenter__(self) -> Runtime:
         global _open_runtimes
-        transport = self._factory()
+        # Say which library runs this context, as anyio.run does, where nothing did
+        # (a bare asyncio loop: asyncio.run, a notebook's): sniffio then knows only
+        # inside a task, and the transport's protocol callbacks, whose contexts are
+        # copies of this one, could not use anyio (a heartbeat's arrival went
+        # unrecorded, and every worker was failed for silence after heartbeat_timeout).
+        if sniffio.current_async_library_cvar.get() is None:
+            self._library = sniffio.current_async_library_cvar.set(sniffio.current_async_library())
+        try:
+            transport = self._factory()
+        except BaseException:
+            self._forget_library()
+            raise
         _open_runtimes += 1
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -517,6 +529,14 @@ class open_runtime:
         self._tg, self._rt = tg, rt
         self._token = runtime_var.set(rt)
         return rt
+
+    def _forget_library(self) -> None:
+        if self._library is not None:
+            try:
+                sniffio.current_async_library_cvar.reset(self._library)
+            except ValueError:  # left in another context than it was entered in
+                pass
+            self._library = None
 
     async def __aexit__(self, *exc: Any) -> bool | None:
         assert self._tg is not None and self._rt is not None
@@ -556,6 +576,7 @@ class open_runtime:
             if not _open_runtimes:
                 # shared-memory segments this process sent that nobody took
                 _codec.release_segments()
+            self._forget_library()
         suppressed = suppressed or swallowed
         if rt.root_failures and (
             exc[1] is None or suppressed or body_cancelled or is_supervision(exc[1])
