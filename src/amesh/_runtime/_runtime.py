@@ -346,11 +346,10 @@ class Runtime:
                 self._route(env, buffers, peer)
         except Exception as exc:  # a router bug must not take the process down
             self._frames_dropped += 1
+            # (the traceback formatted only for a line that is logged: a bug that
+            # fails every frame of a kind must not also cost a traceback each)
             _drops.warning(
-                "failed to route %s from %s: %s",
-                type(env).__name__,
-                peer,
-                "".join(traceback.format_exception(exc)),
+                "failed to route %s from %s: %s", type(env).__name__, peer, _Formatted(exc)
             )
 
     def _undecodable(
@@ -588,6 +587,16 @@ class open_runtime:
                 failures,
             ) from None  # not the body's cancellation: that is how the failure stopped it
         return suppressed
+
+
+class _Formatted:
+    """An exception's traceback, formatted when it is printed."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._exc = exc
+
+    def __str__(self) -> str:
+        return "".join(traceback.format_exception(self._exc))
 
 
 def is_supervision(exc: BaseException) -> bool:
