@@ -3,7 +3,8 @@
 # immortal (PEP 683) before it forks (amesh._hosts._zygote._settle). Sets up
 # .venv-newer with that interpreter (amesh, its C extension, the test tools; no torch,
 # whose local CPU build is for 3.11 only), then runs the tests of worker starts, output,
-# lifecycles and host agents with it. Run by scripts/test.sh.
+# lifecycles, host agents and the debugger (pdb changed in 3.13) with it. Run by
+# scripts/test.sh.
 #
 # The interpreter: $AMESH_NEWER_PYTHON, else python3.13 or python3.12 on PATH, else one
 # that pyenv has. With none, it says so and does nothing.
@@ -44,5 +45,6 @@ fi
 # two tests that train with torch run in the main suite only)
 .venv-newer/bin/python -m pytest tests/test_spawn.py tests/test_lifecycle.py \
     tests/test_output.py tests/test_mesh.py tests/test_agent.py \
+    tests/test_debug.py tests/test_debug_remote.py \
     --deselect tests/test_agent.py::test_a_process_group_across_hosts \
     --deselect tests/test_agent.py::test_train_ddp_over_agents "$@"

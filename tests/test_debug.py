@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -128,6 +129,21 @@ def _breakpoint_line() -> int:
     return CONTROLLER.splitlines().index("            breakpoint()  # the pause") + 1
 
 
+#: where pdb stands once ``breakpoint()`` returned control: at the next line up to 3.12,
+#: at the call's own line from 3.13 on ("breakpoint() ... now enter the debugger
+#: immediately"); amesh reports the call's line either way
+_STOPS_AT_CALL = sys.version_info >= (3, 13)
+
+
+def _stop_line() -> int:
+    return _breakpoint_line() + (0 if _STOPS_AT_CALL else 1)
+
+
+def _source(line: int) -> str:
+    """Line ``line`` of the controller, stripped, as a pattern."""
+    return re.escape(CONTROLLER.splitlines()[line - 1].strip())
+
+
 def _worker_pids(child: pexpect.spawn) -> list[int]:
     child.expect(r"pids: ([\d ]+)\r\n")
     return [int(p) for p in child.match.group(1).split()]
@@ -153,17 +169,17 @@ def _zombie(pid: int) -> bool:
 
 def _pdb_session(child: pexpect.spawn) -> None:
     """list, print, next and continue in the session of a rank paused at the pause."""
-    line = _breakpoint_line()
+    line, stop = _breakpoint_line(), _stop_line()
     child.expect(PROMPT)
     child.sendline("l")
-    child.expect(rf"{line}\s+breakpoint\(\)  # the pause")
+    child.expect(rf"{line}\s+(->\s+)?breakpoint\(\)  # the pause")
     child.expect(PROMPT)
     child.sendline("p self.n")
     child.expect(r"\r\n42\r\n")
     child.expect(PROMPT)
     child.sendline("n")
-    child.expect(rf"controller\.py\({line + 2}\)work\(\)")
-    child.expect(r"-> return y")
+    child.expect(rf"controller\.py\({stop + 1}\)work\(\)")
+    child.expect(rf"-> {_source(stop + 1)}")
     child.expect(PROMPT)
     child.sendline("c")
 
@@ -225,7 +241,7 @@ def _cli_session(tmp_path: Path, state: Path) -> None:
     cli = _spawn(["-m", "amesh", "debug"], tmp_path, state)
     try:
         cli.expect(rf"attached to w\[0\] at controller\.py:{_breakpoint_line()}")
-        cli.expect(rf"-> y = self\.n \+ 1\r\n{PROMPT}")  # untouched: still at the pause
+        cli.expect(rf"-> {_source(_stop_line())}\r\n{PROMPT}")  # untouched: still at the pause
         cli.sendline("p self.n")
         cli.expect(r"\r\n42\r\n")
         cli.expect(PROMPT)
