@@ -315,6 +315,66 @@ def test_a_mesh_under_asyncio_run_hears_its_workers_heartbeats() -> None:
     assert python_output(_BARE_ASYNCIO).split() == ["[1,", "1]", "0"]
 
 
+_BARE_ASYNCIO_TOUR = """
+import asyncio, os, signal
+import amesh
+
+class Worker(amesh.Actor):
+    @amesh.endpoint
+    def hello(self):
+        print("hello from a worker")
+        return os.getpid()
+
+    @amesh.endpoint
+    def boom(self):
+        raise ValueError("boom")
+
+    @amesh.endpoint
+    async def slow(self):
+        await asyncio.sleep(60)
+
+    @amesh.endpoint
+    def double(self, x):
+        return 2 * x
+
+async def main():
+    try:
+        async with amesh.ProcMesh(per_host={"procs": 2}) as procs:
+            w = await procs.spawn("w", Worker)
+            pids = sorted((await w.hello.call()).values())
+            try:
+                await w.slice(procs=0).boom.call_one()
+            except amesh.ActorError as exc:
+                print("remote error:", exc.type_name, exc.message)
+            try:
+                await asyncio.wait_for(w.slow.call(), 0.2)
+            except asyncio.TimeoutError:
+                print("cancelled")
+            print("stream:", sorted([v async for _, v in w.double.stream(21)]))
+            os.kill(pids[0], signal.SIGKILL)
+            await w.hello.call()
+    except amesh.SupervisionError as exc:
+        print("supervision:", "killed by SIGKILL" in str(exc))
+
+asyncio.run(main())
+"""
+
+
+def test_a_mesh_under_asyncio_run_does_what_it_does_under_amesh_run() -> None:
+    """The tests' controllers run under anyio's runner, as ``amesh.run`` does; this one
+    runs under a bare ``asyncio.run``: output, a remote error, a cancelled call, a
+    stream and a killed rank's failure behave the same."""
+    out = python_output(_BARE_ASYNCIO_TOUR)
+    for line in (
+        "[w 0-1] hello from a worker",  # (the same line from both ranks, folded)
+        "remote error: ValueError boom",
+        "cancelled",
+        "stream: [42, 42]",
+        "supervision: True",
+    ):
+        assert line in out, out
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_keyboard_interrupt_propagates_out_of_amesh_run(backend: str) -> None:
     code = textwrap.dedent(
