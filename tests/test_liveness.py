@@ -203,11 +203,13 @@ def test_large_frames_are_read_into_untouched_mappings() -> None:
     assert isinstance(reader.get_buffer().obj, bytearray)
 
 
+@pytest.mark.parametrize("keeper", ["thread", "loop"])
 @pytest.mark.parametrize("kind", ["stream", "nng"])
-async def test_the_heartbeats_connect_again_after_a_break(kind: str) -> None:
+async def test_the_heartbeats_connect_again_after_a_break(kind: str, keeper: str) -> None:
     """The listener drops the heartbeat connection: the C thread finds it broken (a
-    stream) or the pipe goes (NNG), the watchdog connects again, and the heartbeats
-    go on, proven as the worker's."""
+    stream) or the pipe goes (NNG), the keeper (a watchdog thread, or the event loop
+    as in a worker) connects again, and the heartbeats go on, proven as the
+    worker's."""
     t = NngTransport("abstract") if kind == "nng" else StreamTransport("abstract")
     own = "stream+abstract://beating" if kind == "stream" else "abstract://beating"
     inbox = Inbox()
@@ -222,7 +224,10 @@ async def test_the_heartbeats_connect_again_after_a_break(kind: str) -> None:
                 first = beats.beat
                 assert first is not None
                 await inbox.take(2)
-                watchdog.start()
+                if keeper == "thread":
+                    watchdog.start()
+                else:
+                    tg.start_soon(beats.keep)
                 if isinstance(t, StreamTransport):
                     for conn in list(t._inbound):
                         conn.abort()
@@ -240,6 +245,47 @@ async def test_the_heartbeats_connect_again_after_a_break(kind: str) -> None:
     finally:
         stop.set()
         beats.close()
-        await anyio.to_thread.run_sync(watchdog.join)
+        if watchdog.is_alive():
+            await anyio.to_thread.run_sync(watchdog.join)
         t.close()
     assert beats.beat is None
+
+
+async def test_closing_the_heartbeats_ends_the_loop_that_keeps_them() -> None:
+    """``close()`` while the event loop waits on the heartbeat connection (a worker's
+    exit, or its adoption by another controller): the wait ends at once, without
+    connecting again, and the connection is closed, so the listener sees it end."""
+    t = StreamTransport("abstract")
+    own = "stream+abstract://closing"
+    inbox = Inbox()
+    beats = NativeBeats(t.address, own, PERIOD / 4, threading.get_native_id(), TIMEOUT)
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(t.serve, inbox.deliver)
+                await anyio.to_thread.run_sync(beats.renew)
+                first = beats.beat
+                assert first is not None
+                await inbox.take(2)
+                ended = anyio.Event()
+
+                async def keep() -> None:
+                    await beats.keep()
+                    ended.set()
+
+                tg.start_soon(keep)
+                await anyio.wait_all_tasks_blocked()
+                fd = beats._watched
+                assert fd >= 0  # it waits on the connection
+                inode = os.fstat(fd).st_ino
+                beats.close()
+                await ended.wait()
+                assert beats.beat is None and beats._watched == -1
+                try:  # the connection's descriptor is closed (or the number reused)
+                    assert os.fstat(fd).st_ino != inode
+                except OSError as exc:
+                    assert exc.errno == errno.EBADF
+                tg.cancel_scope.cancel()
+    finally:
+        beats.close()
+        t.close()

@@ -17,8 +17,8 @@ A process that never needs more descriptors opens no more of them, whatever its 
 code that still uses ``select.select`` (descriptors under 1,024 only) is not affected.
 
 Processes: Linux counts a user's threads against its ``RLIMIT_NPROC`` (``ulimit -u``),
-which some distributions set to 4,096 for users other than root; a worker runs ~5
-threads, so ~800 local workers reach it, and the next fork or thread start fails with
+which some distributions set to 4,096 for users other than root; a worker runs ~4
+threads, so ~1,000 local workers reach it, and the next fork or thread start fails with
 EAGAIN in the middle of the start. So a controller raises its soft limit up to the hard
 one before it starts local processes that need it, and refuses a mesh that the hard
 limit cannot hold next to what the user runs already, before anything starts
@@ -59,9 +59,9 @@ __all__ = [
 PER_PROCESS = 5
 #: Descriptors kept free for everything else.
 SPARE = 64
-#: Threads a local worker runs (its loop's, the output reader, the heartbeat writer and
-#: its watch, the parent watch).
-TASKS_PER_PROCESS = 5
+#: Threads a local worker runs (its loop's, the output reader, the heartbeat writer, the
+#: parent watch).
+TASKS_PER_PROCESS = 4
 #: Capability bits that lift RLIMIT_NPROC: CAP_SYS_ADMIN, CAP_SYS_RESOURCE.
 _EXEMPT_CAPS = (1 << 21) | (1 << 24)
 #: The kernel's ceiling where the hard limit is "unlimited" (``fs.nr_open``'s default).
