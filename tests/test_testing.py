@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import anyio
 import pytest
@@ -15,6 +20,7 @@ from amesh.testing import (
     InProcessHost,
     LeakError,
     MemoryTransport,
+    _pytest,
     no_leaks,
     open_runtime,
 )
@@ -135,3 +141,73 @@ def test_no_leaks_catches_a_listening_abstract_socket_and_its_descriptor() -> No
     sock.close()
     with no_leaks():  # closed in the block: nothing to report
         socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
+
+
+def _free_pid() -> int:
+    """A pid no process has now (the highest ones are the last handed out)."""
+    pid = int(open("/proc/sys/kernel/pid_max").read()) - 1
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except OSError:
+            pass
+        pid -= 1
+
+
+def test_the_pytest_plugin_sweeps_only_the_directories_of_ended_sessions(
+    tmp_path: Path,
+) -> None:
+    ns, gone, me = _pytest._pid_namespace(), _free_pid(), os.getpid()
+    removed = {f"amesh-test-{ns}-{gone}-ab12_cd3", f"amesh-test-shm-{ns}-{gone}-x9y8z7w6"}
+    kept = {
+        f"amesh-test-{ns}-{me}-k33p1ng0",  # this live session
+        f"amesh-test-shm-{ns + 1}-{gone}-0th3rns0",  # another pid namespace: cannot tell
+        "amesh-test-shm-0ldn4m3s",  # the old naming: whose, cannot tell
+        "amesh-test-other",
+    }
+    for name in removed | kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "amesh-segment").write_bytes(b"x")
+    # a plain file and a link of a gone session's name are not directories it made
+    target = tmp_path / "target"
+    target.mkdir()
+    specials = {f"amesh-test-{ns}-{gone}-f1l30000", f"amesh-test-{ns}-{gone}-l1nk0000"}
+    a_file, a_link = sorted(specials)
+    (tmp_path / a_file).write_bytes(b"x")
+    (tmp_path / a_link).symlink_to(target)
+    assert _pytest.sweep_sessions(str(tmp_path)) == len(removed)
+    assert set(os.listdir(tmp_path)) == kept | specials | {"target"}
+    assert _pytest.sweep_sessions(str(tmp_path)) == 0
+
+
+_KILLED_SESSION = """
+import os, signal
+
+def test_killed():
+    print("dirs", os.environ["AMESH_IPC_DIR"], os.environ["AMESH_SHM_DIR"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_test_sessions_directories_go_at_the_next_session(tmp_path: Path) -> None:
+    """A session killed before its end (SIGKILL, or pytest-timeout's ``thread``
+    method) leaves its socket and segment directories; the next session that loads
+    the plugin removes them."""
+    (tmp_path / "test_killed.py").write_text(_KILLED_SESSION)
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["amesh.testing.pytest_plugin"]\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("AMESH_IPC_DIR", "AMESH_SHM_DIR")}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
+    run = functools.partial(
+        subprocess.run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    killed = run([*cmd, "test_killed.py"])
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    line = next(x for x in killed.stdout.splitlines() if x.startswith("dirs "))
+    ipc, shm = line.split()[1:]
+    assert os.path.isdir(ipc) and os.path.isdir(shm)  # left behind
+    (tmp_path / "test_killed.py").write_text("def test_nothing():\n    pass\n")
+    after = run([*cmd, "test_killed.py"])
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert not os.path.exists(ipc) and not os.path.exists(shm)

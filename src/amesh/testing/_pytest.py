@@ -8,9 +8,11 @@ is autouse: each test reads amesh's settings afresh.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,22 +22,73 @@ from ._leaks import no_leaks
 __all__ = ["amesh_no_leaks", "amesh_settings", "pytest_configure", "pytest_unconfigure"]
 
 _OWN_DIRS: list[tuple[str, str]] = []  # (environment variable, directory we made)
+#: a session's directory: ``amesh-test-[shm-]<pid namespace>-<pid>-<random>``
+_SESSION_DIR = re.compile(r"^amesh-test-(?:shm-)?(\d+)-(\d+)-[^-]+$")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Give this test session its own ipc:// and shared-memory directories.
+    """Give this test session its own ipc:// and shared-memory directories, and remove
+    those of sessions that ended without removing theirs (see :func:`sweep_sessions`).
 
     Leak checks then see only this session's socket files and segments. The segment
     directory is on /dev/shm where there is one (segments are memory there).
     """
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    for place in {tempfile.gettempdir(), shm}:
+        if place is not None:
+            sweep_sessions(place)
+    tag = f"{_pid_namespace()}-{os.getpid()}-"
     if not os.environ.get("AMESH_IPC_DIR"):
-        _own("AMESH_IPC_DIR", tempfile.mkdtemp(prefix="amesh-test-"))
+        _own("AMESH_IPC_DIR", tempfile.mkdtemp(prefix=f"amesh-test-{tag}"))
     if not os.environ.get("AMESH_SHM_DIR"):
         try:
-            path = tempfile.mkdtemp(prefix="amesh-test-shm-", dir="/dev/shm")
+            path = tempfile.mkdtemp(prefix=f"amesh-test-shm-{tag}", dir=shm)
         except OSError:
-            path = tempfile.mkdtemp(prefix="amesh-test-shm-")
+            path = tempfile.mkdtemp(prefix=f"amesh-test-shm-{tag}")
         _own("AMESH_SHM_DIR", path)
+
+
+def sweep_sessions(place: str) -> int:
+    """Remove the directories of this plugin's test sessions in ``place`` whose process
+    is gone: a session killed before its end (SIGKILL, or pytest-timeout's ``thread``
+    method, which ends the process at once) leaves them, with the socket files and
+    shared-memory segments in them (memory, on /dev/shm). Only this user's, of this pid
+    namespace, whose pid is free; returns how many it removed."""
+    ns, uid, removed = _pid_namespace(), os.getuid(), 0
+    try:
+        names = os.listdir(place)
+    except OSError:
+        return 0
+    for name in names:
+        m = _SESSION_DIR.match(name)
+        if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
+            continue
+        path = Path(place, name)
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if st.st_uid == uid and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's: alive
+        return True
+    return True
 
 
 def _own(var: str, path: str) -> None:
