@@ -10,6 +10,7 @@ import re
 import socket
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -95,15 +96,19 @@ def state(tmp_path: Path) -> Path:
 def _spawn(argv: list[str], tmp_path: Path, state: Path) -> pexpect.spawn:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONBREAKPOINT", "AMESH_OUTPUT")}
     env["AMESH_STATE_DIR"] = str(state)
-    child = pexpect.spawn(
-        sys.executable,
-        argv,
-        cwd=str(tmp_path),
-        env=env,
-        timeout=EXPECT,
-        encoding="utf-8",
-        dimensions=(50, 200),
-    )
+    with warnings.catch_warnings():
+        # 3.12+ warns of forkpty() in a process with threads (this test process has
+        # anyio's); pexpect's child only sets its terminal up and execs
+        warnings.filterwarnings("ignore", r".*use of forkpty\(\)", DeprecationWarning)
+        child = pexpect.spawn(
+            sys.executable,
+            argv,
+            cwd=str(tmp_path),
+            env=env,
+            timeout=EXPECT,
+            encoding="utf-8",
+            dimensions=(50, 200),
+        )
     child.logfile_read = sys.stdout  # shown when a test fails
     return child
 
