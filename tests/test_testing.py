@@ -27,6 +27,7 @@ from amesh.testing import (
 from amesh.testing._leaks import abstract_sockets
 
 from .actors import Counter, Mortal
+from .test_shm_debris import free_pid, own_owner
 
 pytestmark = pytest.mark.anyio
 
@@ -143,27 +144,19 @@ def test_no_leaks_catches_a_listening_abstract_socket_and_its_descriptor() -> No
         socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
 
 
-def _free_pid() -> int:
-    """A pid no process has now (the highest ones are the last handed out)."""
-    pid = int(open("/proc/sys/kernel/pid_max").read()) - 1
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return pid
-        except OSError:
-            pass
-        pid -= 1
-
-
 def test_the_pytest_plugin_sweeps_only_the_directories_of_ended_sessions(
     tmp_path: Path,
 ) -> None:
-    ns, gone, me = _pytest._pid_namespace(), _free_pid(), os.getpid()
-    removed = {f"amesh-test-{ns}-{gone}-ab12_cd3", f"amesh-test-shm-{ns}-{gone}-x9y8z7w6"}
+    me, start, ns = own_owner()
+    gone = free_pid()
+    removed = {
+        f"amesh-test-{gone}.{start}.{ns}-ab12_cd3",  # its pid is free
+        f"amesh-test-shm-{gone}.0.{ns}-x9y8z7w6",  # (its start not known)
+        f"amesh-test-shm-{me}.{start + 1}.{ns}-r3us3d00",  # its pid was reused since
+    }
     kept = {
-        f"amesh-test-{ns}-{me}-k33p1ng0",  # this live session
-        f"amesh-test-shm-{ns + 1}-{gone}-0th3rns0",  # another pid namespace: cannot tell
+        f"amesh-test-{me}.{start}.{ns}-k33p1ng0",  # this live session
+        f"amesh-test-shm-{gone}.{start}.{ns + 1}-0th3rns0",  # another pid namespace
         "amesh-test-shm-0ldn4m3s",  # the old naming: whose, cannot tell
         "amesh-test-other",
     }
@@ -173,7 +166,7 @@ def test_the_pytest_plugin_sweeps_only_the_directories_of_ended_sessions(
     # a plain file and a link of a gone session's name are not directories it made
     target = tmp_path / "target"
     target.mkdir()
-    specials = {f"amesh-test-{ns}-{gone}-f1l30000", f"amesh-test-{ns}-{gone}-l1nk0000"}
+    specials = {f"amesh-test-{gone}.{start}.{ns}-f1l30000", f"amesh-test-{gone}.0.{ns}-l1nk0000"}
     a_file, a_link = sorted(specials)
     (tmp_path / a_file).write_bytes(b"x")
     (tmp_path / a_link).symlink_to(target)

@@ -10,20 +10,22 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from .. import _codec
 from .._config import reset as reset_settings
 from ._leaks import no_leaks
 
 __all__ = ["amesh_no_leaks", "amesh_settings", "pytest_configure", "pytest_unconfigure"]
 
 _OWN_DIRS: list[tuple[str, str]] = []  # (environment variable, directory we made)
-#: a session's directory: ``amesh-test-[shm-]<pid namespace>-<pid>-<random>``
-_SESSION_DIR = re.compile(r"^amesh-test-(?:shm-)?(\d+)-(\d+)-[^-]+$")
+#: a session's directory: ``amesh-test-[shm-]<pid>.<start>.<pid namespace>-<random>``,
+#: its process named as a shared-memory segment's maker is (see :mod:`amesh._codec`)
+_SESSION_DIR = re.compile(r"amesh-test-(?:shm-)?(\d+)\.(\d+)\.(\d+)-[^-]+")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for place in {tempfile.gettempdir(), shm}:
         if place is not None:
             sweep_sessions(place)
-    tag = f"{_pid_namespace()}-{os.getpid()}-"
+    tag = f"{_codec._owner()}-"
     if not os.environ.get("AMESH_IPC_DIR"):
         _own("AMESH_IPC_DIR", tempfile.mkdtemp(prefix=f"amesh-test-{tag}"))
     if not os.environ.get("AMESH_SHM_DIR"):
@@ -50,45 +52,31 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def sweep_sessions(place: str) -> int:
     """Remove the directories of this plugin's test sessions in ``place`` whose process
-    is gone: a session killed before its end (SIGKILL, or pytest-timeout's ``thread``
+    ended: a session killed before its end (SIGKILL, or pytest-timeout's ``thread``
     method, which ends the process at once) leaves them, with the socket files and
     shared-memory segments in them (memory, on /dev/shm). Only this user's, of this pid
-    namespace, whose pid is free; returns how many it removed."""
-    ns, uid, removed = _pid_namespace(), os.getuid(), 0
+    namespace, whose process surely ended (as for segments: its pid free, or reused
+    since); returns how many it removed."""
+    procfs, ns, uid, removed = _codec._have_proc(), _codec._pid_namespace(), os.getuid(), 0
     try:
         names = os.listdir(place)
     except OSError:
         return 0
     for name in names:
-        m = _SESSION_DIR.match(name)
-        if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
+        m = _SESSION_DIR.fullmatch(name)
+        if m is None or int(m[3]) != ns:
             continue
-        path = Path(place, name)
+        if not _codec._is_dead(int(m[1]), int(m[2]) if procfs else 0, procfs):
+            continue
+        path = os.path.join(place, name)
         try:
-            st = path.lstat()
+            st = os.lstat(path)
         except OSError:
             continue
-        if st.st_uid == uid and path.is_dir() and not path.is_symlink():
+        if st.st_uid == uid and stat.S_ISDIR(st.st_mode):
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
     return removed
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # someone else's: alive
-        return True
-    return True
 
 
 def _own(var: str, path: str) -> None:
