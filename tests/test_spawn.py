@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 
 import amesh
 from amesh import Failure, ProcMesh, SupervisionError
+from amesh._limits import TASKS_PER_PROCESS
 from amesh.testing._leaks import child_pids
 
 from .actors import Counter, Mortal
@@ -79,6 +81,27 @@ async def test_workers_are_forked_by_one_single_threaded_zygote() -> None:
         assert wait_pid_gone(zygote, 0), "the zygote outlived its runtime"
         assert all(wait_pid_gone(pid, 0) for pid in pids)
         assert zygote not in child_pids()
+
+
+def _threads(_: object) -> tuple[list[str], int]:
+    """A worker's Python threads by name, and all its threads (run in the worker)."""
+    return sorted(t.name for t in threading.enumerate()), len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("zygote", ["1", "0"])
+async def test_a_worker_runs_the_threads_its_mesh_is_counted_for(
+    monkeypatch: pytest.MonkeyPatch, zygote: str
+) -> None:
+    """Before a mesh starts, its threads (TASKS_PER_PROCESS a worker) are checked
+    against the user's process limit and a control group's cap: a worker, forked or
+    exec'd, runs that many (its loop's, the output reader, the extension's heartbeat
+    writer and parent watch) and no Python thread for its heartbeats."""
+    monkeypatch.setenv("AMESH_ZYGOTE", zygote)
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}) as procs:
+            c = await procs.spawn("threads", Counter)
+            seen = (await c.apply.call(_threads, None)).values()
+    assert seen == [(["MainThread", "amesh-output"], TASKS_PER_PROCESS)] * 2
 
 
 class Shell(amesh.Actor):

@@ -375,7 +375,7 @@ class _Beating:
 
 
 @contextmanager
-def _thread_heartbeats(boot: Bootstrap, rt: Runtime, to: str) -> Iterator[None]:
+def _worker_heartbeats(boot: Bootstrap, rt: Runtime, to: str) -> Iterator[None]:
     """The extension's heartbeat thread, kept connected by this runtime's event loop
     (a thread fewer in every worker, and none that wakes every period); without the
     extension, a Python thread."""
@@ -412,7 +412,7 @@ async def _serve(boot: Bootstrap) -> None:
         lambda: open_transport(boot.scheme, host=boot.host, reach=boot.parent),
         boot.parent,
         boot.token,
-        lambda rt, to: _thread_heartbeats(boot, rt, to),
+        lambda rt, to: _worker_heartbeats(boot, rt, to),
     )
 
 
