@@ -219,8 +219,9 @@ class NativeBeats:
                 finally:
                     self._watched = -1
                 # a listener that takes the connection and drops it at once is asked
-                # again once a period, not in a loop
-                await anyio.sleep(since + self._period - anyio.current_time())
+                # again once a period, not in a loop; one that held it longer is asked
+                # at once (anyio >= 4.16 refuses a negative delay)
+                await anyio.sleep(max(0.0, since + self._period - anyio.current_time()))
             else:
                 await anyio.sleep(self._period)
                 if self._sound():
