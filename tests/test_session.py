@@ -213,3 +213,47 @@ async def test_a_failure_is_printed_and_raised_by_the_next_use() -> None:
     assert "amesh: unhandled supervision failure" in err
     assert "SIGKILL" in err
     assert "closing the session" not in err  # reported once, not again at exit
+
+
+_TIMEOUTS = (
+    _ACTOR
+    + """
+import asyncio
+procs = amesh.ProcMesh({"procs": 2}).get()
+w = procs.spawn("w", Worker).get()
+
+def show(how, fn):
+    try:
+        fn()
+    except TimeoutError as exc:
+        print(how, "|", exc, "|", exc.__context__)
+
+async def awaited():
+    await w.nap.options(timeout=0.3).call(30)
+
+show("await", lambda: asyncio.run(awaited()))
+show("options", lambda: w.nap.options(timeout=0.3).call(30).get())
+show("get", lambda: w.nap.call(30).get(timeout=0.3))
+show("both", lambda: w.nap.options(timeout=60).call(30).get(timeout=0.3))
+show("call_one", lambda: w.slice(procs=1).nap.call_one(30).get(timeout=0.3))
+show("spawn", lambda: procs.spawn("v", Worker).get(timeout=0))
+procs.stop().get()
+"""
+)
+
+
+async def test_a_timeout_through_get_names_the_endpoint_and_ranks_as_await_does() -> None:
+    """Issue 36, item 15: `.get()` of a timed-out call raised `<amesh.Op
+    MeshEndpoint.call> did not finish within None s` (the endpoint's message only in
+    its __context__), and `.get(timeout=...)` named no endpoint."""
+    with anyio.fail_after(120):
+        out, err = await _python("-c", _TIMEOUTS)
+    said = dict(line.split(" | ", 1) for line in out.splitlines() if " | " in line)
+    whole = "w.nap: no answer within 0.3 s from ranks 0, 1 (of 2) | None"
+    assert said["await"] == whole, (out, err)
+    assert said["options"] == whole
+    assert said["get"] == whole
+    assert said["both"] == whole  # the shorter of the two timeouts
+    assert said["call_one"] == "w.nap: no answer within 0.3 s from rank 1 | None"
+    # an op that is not an endpoint's adverb: named, with the timeout given to get()
+    assert said["spawn"].startswith("ProcMesh.spawn: did not finish within 0 s"), said

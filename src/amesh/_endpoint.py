@@ -181,6 +181,12 @@ class MeshEndpoint(Generic[P, R]):
             raise ValueError(f"timeout must be >= 0, got {timeout}")
         return MeshEndpoint(self._mesh, self._desc, timeout)
 
+    def _bounded(self, timeout: float) -> MeshEndpoint[P, R]:
+        """This endpoint, its adverbs given up after ``timeout`` seconds at the latest:
+        what ``.get(timeout)`` of an adverb runs (see :meth:`amesh.Op.get`)."""
+        own = self._timeout
+        return MeshEndpoint(self._mesh, self._desc, timeout if own is None else min(own, timeout))
+
     def _session_failure(self) -> Exception | None:
         """See :meth:`amesh.ProcMesh._session_failure` (a session's failed mesh)."""
         owner = self._mesh._owner

@@ -57,6 +57,11 @@ P = ParamSpec("P")
 #: How long the interpreter's exit waits for the session to stop its meshes.
 CLOSE_TIMEOUT = 60.0
 
+#: How much longer than its ``timeout`` ``.get(timeout)`` waits for an op that keeps
+#: that timeout itself (an endpoint's adverb): only a session loop too busy to run
+#: the op's own deadline makes the wait end first.
+_GET_MARGIN = 5.0
+
 
 class _Session:
     """The session's thread, loop and runtime."""
@@ -224,7 +229,8 @@ class Op(Generic[T]):
         """Do it and wait for the result, blocking this thread.
 
         Raises:
-            TimeoutError: ``timeout`` seconds passed (what was started is cancelled).
+            TimeoutError: ``timeout`` seconds passed (what was started is cancelled);
+                an endpoint's adverb says which ranks did not answer, as under ``await``.
             RuntimeError: called on the thread of an amesh runtime's event loop, which
                 would then never get to do it; ``await`` it there.
         """
@@ -234,15 +240,25 @@ class Op(Generic[T]):
                 "use `await` here (get() is for synchronous code)"
             )
         self._check()
-        future = _session.submit(self._fn, self._args, self._kwargs)
+        args, wait = self._args, timeout
+        # an endpoint's adverb keeps the timeout itself, so that its TimeoutError names
+        # the endpoint and the ranks that did not answer, as under ``await``
+        if timeout is not None and args:
+            bounded = getattr(args[0], "_bounded", None)
+            if bounded is not None:
+                args, wait = (bounded(timeout), *args[1:]), timeout + _GET_MARGIN
+        future = _session.submit(self._fn, args, self._kwargs)
         try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"{self!r} did not finish within {timeout} s") from None
+            # (not ``future.result(wait)``: the TimeoutError an op raises is the one
+            # that result() raises when the wait ends, since Python 3.11)
+            if future in concurrent.futures.wait((future,), wait).done:
+                return future.result()
         except BaseException:
             future.cancel()  # KeyboardInterrupt: stop the work too
             raise
+        future.cancel()
+        name = getattr(self._fn, "__qualname__", self._fn)
+        raise TimeoutError(f"{name}: did not finish within {timeout:g} s (.get's timeout)")
 
 
 def bridged(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Op[T]]:
