@@ -102,6 +102,13 @@ async def test_arguments_are_checked_at_the_call_site() -> None:
                 await c.incr.call(1, 2, 3)
             with pytest.raises(TypeError, match="unexpected keyword"):
                 await c.incr.call_one(nope=1)
+            # issue 36, item 16: the old way of giving a call a timeout points to the new
+            with pytest.raises(TypeError) as info:
+                await c.incr.call(1, timeout=5)
+            assert str(info.value) == (
+                "endpoint incr(): got an unexpected keyword argument 'timeout' (a call's "
+                "timeout is an option of the endpoint: mesh.incr.options(timeout=5).call(...))"
+            )
             with pytest.raises(TypeError, match="cannot pickle"):
                 await c.echo.call(threading.Lock())
             with pytest.raises(TypeError):

@@ -104,7 +104,15 @@ class EndpointDescriptor(Generic[P, R]):
         try:
             self.signature.bind(None, *args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"endpoint {self.name}(): {exc}") from None
+            hint = ""
+            if "timeout" in kwargs and "timeout" not in self.signature.parameters:
+                # an adverb's timeout was once a keyword of the call itself
+                timeout = kwargs["timeout"]
+                hint = (
+                    f" (a call's timeout is an option of the endpoint: "
+                    f"mesh.{self.name}.options(timeout={timeout!r}).call(...))"
+                )
+            raise TypeError(f"endpoint {self.name}(): {exc}{hint}") from None
 
 
 class _EndpointDecorator(Protocol):
