@@ -38,7 +38,6 @@ worker's original stdout/stderr, with their tag.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import codecs
 import ctypes
@@ -56,11 +55,10 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import anyio
-import sniffio
 
 from .. import _wire
 from .._wire import LOG, STDERR, STDOUT, OutputLine
-from ._context import call_context
+from ._context import call_context, call_soon_threadsafe
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -385,7 +383,7 @@ class Capture:
         ``rt``, on asyncio or trio)."""
         self._rt = rt
         self._send_lock = anyio.Lock()
-        soon = _call_soon_threadsafe()
+        soon = call_soon_threadsafe()
         wake = anyio.Event()
 
         def set_wake() -> None:
@@ -691,13 +689,3 @@ class _Pipes:
         for r in list(self._ends):
             self._drain(r)
         self._undo()
-
-
-def _call_soon_threadsafe() -> Callable[[Callable[[], None]], object]:
-    """How another thread schedules a callback on the running event loop."""
-    if sniffio.current_async_library() == "trio":
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
-    loop = asyncio.get_running_loop()
-    return lambda callback: loop.call_soon_threadsafe(callback)

@@ -22,6 +22,7 @@ T = TypeVar("T")
 __all__ = [
     "CallContext",
     "call_context",
+    "call_soon_threadsafe",
     "context_coroutine",
     "in_context",
     "is_local",
@@ -115,6 +116,25 @@ def is_local_cached(addr: str) -> bool:
         if len(_local_addresses) < 65536:
             _local_addresses[addr] = local
     return local
+
+
+def call_soon_threadsafe() -> Callable[[Callable[[], None]], object]:
+    """How another thread schedules a callback on the running event loop; the callback
+    may use anyio (start a task: sniffio tells the library there)."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    loop = asyncio.get_running_loop()
+
+    def soon(callback: Callable[[], None]) -> None:
+        # an asyncio callback runs in no task, where sniffio finds no library unless
+        # the context says it
+        context = contextvars.copy_context()
+        context.run(sniffio.current_async_library_cvar.set, "asyncio")
+        loop.call_soon_threadsafe(callback, context=context)
+
+    return soon
 
 
 def native_event_class() -> Any:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,7 +42,13 @@ from .._errors import Failure, ProtocolError, SupervisionError
 from .._ratelog import RateLimitedLog
 from .._transport import Transport
 from ._calls import Calls, Pending
-from ._context import is_local, native_event_class, native_wakeup_class, runtime_var
+from ._context import (
+    call_soon_threadsafe,
+    is_local,
+    native_event_class,
+    native_wakeup_class,
+    runtime_var,
+)
 from ._dispatch import Dispatch
 from ._links import CREDIT_BATCH, CREDIT_BATCH_BYTES, Links, send_window
 from ._mailbox import ActorInstance, Owned
@@ -117,6 +124,10 @@ class Runtime:
         self.address = transport.address
         self.pid = os.getpid()
         self._tg = tg
+        #: the thread of the runtime's event loop (made there), and how another thread
+        #: (``asyncio.to_thread``'s, whose context has this runtime) schedules on it
+        self.thread = threading.get_ident()
+        self.call_soon_threadsafe = call_soon_threadsafe()
         #: the body's cancel scope (see open_runtime); None for a bare runtime
         self.body: anyio.CancelScope | None = None
         #: the event loop's own Event class (cheaper than anyio's on the hot path)

@@ -16,7 +16,8 @@ Everything that can be awaited in amesh returns an :class:`Op`:
   without blocking the caller's loop;
 - ``op.get(timeout=None)`` runs it on the session and blocks the calling thread until
   it is done. On the thread of a runtime's own loop that would wait forever (the loop
-  that must do the work is the one blocked), so it raises instead.
+  that must do the work is the one blocked), so it raises instead; from another thread
+  whose context has a runtime (``asyncio.to_thread``'s) it is done on that runtime.
 
 A failure of a session's mesh has no body to cancel: it is printed at once, and every
 later use of that mesh raises the :class:`~amesh.SupervisionError` until it is
@@ -154,6 +155,65 @@ def in_session() -> bool:
     return _session.thread is threading.current_thread()
 
 
+def _on_loop_thread(rt: Runtime | None) -> bool:
+    """Whether the calling thread runs the loop of ``rt`` (the caller's runtime), or the
+    session's: blocking it would stop the loop that must do the work. A worker thread of
+    that loop (``asyncio.to_thread``, ``anyio.to_thread.run_sync``) has ``rt`` in its
+    context, copied, but not its loop."""
+    return in_session() or (rt is not None and not rt.closed and rt.thread == threading.get_ident())
+
+
+def _submit_to(
+    rt: Runtime, fn: Callable[..., Coroutine[Any, Any, T]], args: Any, kwargs: Any
+) -> concurrent.futures.Future[T]:
+    """Run ``fn(*args, **kwargs)`` on ``rt``'s loop, from another thread; cancelling the
+    future (left pending until the result is in) cancels the run."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    scopes: list[anyio.CancelScope] = []  # made on the loop (anyio wants one there)
+
+    def cancel() -> None:
+        for scope in scopes:
+            scope.cancel()
+
+    async def run() -> None:
+        runtime_var.set(rt)
+        call_context.set(None)
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            if future.cancelled():
+                return
+            try:
+                result = await fn(*args, **kwargs)
+            except anyio.get_cancelled_exc_class():
+                _settle(future.set_exception, RuntimeError("its amesh runtime closed"))
+                raise
+            except BaseException as exc:  # the caller's to raise, not the runtime's
+                _settle(future.set_exception, exc)
+            else:
+                _settle(future.set_result, result)
+
+    def cancelled(done: concurrent.futures.Future[T]) -> None:
+        if done.cancelled() and not rt.closed:
+            rt.call_soon_threadsafe(cancel)
+
+    def start() -> None:
+        try:
+            rt.start_soon(run)
+        except RuntimeError as exc:  # its task group is closing: say so, never hang
+            _settle(future.set_exception, RuntimeError(f"its amesh runtime closed ({exc})"))
+
+    future.add_done_callback(cancelled)
+    rt.call_soon_threadsafe(start)
+    return future
+
+
+def _settle(how: Callable[[Any], None], value: Any) -> None:
+    try:
+        how(value)
+    except concurrent.futures.InvalidStateError:  # cancelled by the waiting thread
+        pass
+
+
 def session_runtime() -> Runtime:
     """The session's runtime (started on first use)."""
     _session.start()
@@ -234,7 +294,8 @@ class Op(Generic[T]):
             RuntimeError: called on the thread of an amesh runtime's event loop, which
                 would then never get to do it; ``await`` it there.
         """
-        if runtime_var.get() is not None or in_session():
+        rt = runtime_var.get()
+        if _on_loop_thread(rt):
             raise RuntimeError(
                 f"{self!r}.get() would block the event loop that must do the work: "
                 "use `await` here (get() is for synchronous code)"
@@ -247,7 +308,10 @@ class Op(Generic[T]):
             bounded = getattr(args[0], "_bounded", None)
             if bounded is not None:
                 args, wait = (bounded(timeout), *args[1:]), timeout + _GET_MARGIN
-        future = _session.submit(self._fn, args, self._kwargs)
+        if rt is None or rt.closed:
+            future = _session.submit(self._fn, args, self._kwargs)
+        else:  # a worker thread of that runtime's loop (asyncio.to_thread): run it there
+            future = _submit_to(rt, self._fn, args, self._kwargs)
         try:
             # (not ``future.result(wait)``: the TimeoutError an op raises is the one
             # that result() raises when the wait ends, since Python 3.11)
@@ -299,7 +363,7 @@ class Stream(Generic[T]):
         return _Bridged(self._make())
 
     def __iter__(self) -> Iterator[T]:
-        if runtime_var.get() is not None or in_session():
+        if _on_loop_thread(runtime_var.get()):
             raise RuntimeError("use `async for` on the thread of an amesh runtime's loop")
         return _Blocking(self._make())
 
