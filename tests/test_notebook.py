@@ -65,6 +65,95 @@ async def test_the_example_notebook_runs_in_a_kernel(tmp_path: Path) -> None:
     # every rank printed it; the controller folded the four lines into one
     assert code[2] == "[counters 0-3] hello from a worker\n"
     assert code[3] == "same processes: True\n[110, 110, 110, 110]"
-    assert code[4].startswith("SupervisionError: counters.incr at rank 1")
-    assert "SIGKILL" in code[4]
+    # the failure's notice, printed at once in the cell that runs, then the error
+    assert "amesh: unhandled supervision failure" in code[4]
+    last = code[4].rstrip("\n").splitlines()[-1]
+    assert last.startswith("SupervisionError: counters.incr at rank 1")
+    assert "SIGKILL" in last
     assert code[5] == "stopped\n"
+
+
+# Cells sent one by one to a kernel (jupyter_client), and every stream or error output
+# on its IOPub channel recorded with the msg_id of the request it names as its parent:
+# that is the cell Jupyter shows it in. A cell's wait ends when the kernel is idle after
+# it and, with `until`, once a recorded text contains `until`.
+_CELLS = """
+import json, sys
+from jupyter_client.manager import start_new_kernel
+
+cells = json.loads(sys.argv[1])
+km, kc = start_new_kernel(kernel_name="python3", cwd=sys.argv[2])
+outputs, ids = [], []
+try:
+    for code, until in cells:
+        msg_id = kc.execute(code)
+        ids.append(msg_id)
+        idle = False
+        while not idle or (until and not any(until in text for _, text in outputs)):
+            msg = kc.get_iopub_msg(timeout=60)
+            parent, content = msg["parent_header"].get("msg_id"), msg["content"]
+            if msg["msg_type"] == "stream":
+                outputs.append((parent, content["text"]))
+            elif msg["msg_type"] == "error":
+                outputs.append((parent, content["ename"] + ": " + content["evalue"]))
+            elif msg["msg_type"] == "status" and parent == msg_id:
+                idle = idle or content["execution_state"] == "idle"
+finally:
+    kc.stop_channels()
+    km.shutdown_kernel()
+print(json.dumps({"ids": ids, "outputs": outputs}))
+"""
+
+_LATE = '''
+import os, signal, threading
+import amesh
+from amesh import Actor, endpoint
+
+class Late(Actor):
+    def __init__(self):
+        self.go = threading.Event()
+
+    @endpoint
+    def arm(self) -> None:
+        """A thread of the actor's prints once fire() is called: after arm returned."""
+        def later() -> None:
+            self.go.wait(60)
+            print("late line", flush=True)
+        threading.Thread(target=later, daemon=True).start()
+
+    @endpoint
+    def fire(self) -> None:
+        self.go.set()
+
+procs = amesh.ProcMesh({"procs": 2}).get()
+late = procs.spawn("late", Late).get()
+'''
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_late_output_goes_to_the_cell_that_runs_when_it_arrives(tmp_path: Path) -> None:
+    """Worker lines and a supervision notice that arrive after the call that caused
+    them returned show in the cell running (or last run) then, not in the cell that
+    started the session (ipykernel 7 keeps a parent per context: the session's tasks
+    must not keep the one of the cell they were started from)."""
+    import json
+
+    cells = [
+        (_LATE, None),
+        ("late.arm.broadcast().get()", None),
+        ("late.fire.broadcast().get()", "late line"),
+        ("os.kill(procs.pids[1], signal.SIGKILL)", "unhandled supervision failure"),
+        ("procs.stop().get()", None),
+    ]
+    with anyio.fail_after(180):
+        run = await anyio.run_process(
+            [sys.executable, "-c", _CELLS, json.dumps(cells), str(tmp_path)], check=False
+        )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    got = json.loads(run.stdout)
+    ids, outputs = got["ids"], got["outputs"]
+    late_lines = [parent for parent, text in outputs if "late line" in text]
+    notices = [parent for parent, text in outputs if "supervision failure" in text]
+    assert late_lines and set(late_lines) == {ids[2]}, outputs
+    assert notices and set(notices) == {ids[3]}, outputs

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
 import functools
 import sys
 import threading
@@ -126,7 +127,11 @@ class _Session:
             call_context.set(None)
             return await fn(*args, **kwargs)
 
-        return asyncio.run_coroutine_threadsafe(run(), loop)
+        # In a context of its own, not a copy of the caller's: what it starts (a mesh's
+        # output printers, its supervision) outlives the call, and must not print with
+        # the caller's context vars. ipykernel 7 keeps the cell an output belongs to in
+        # one: it would go to the cell that started the mesh, not to the one running.
+        return contextvars.Context().run(asyncio.run_coroutine_threadsafe, run(), loop)
 
     def close(self) -> None:
         """Stop the session's meshes and its loop (at the interpreter's exit)."""
