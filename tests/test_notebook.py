@@ -7,6 +7,7 @@ life of the process that made it."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,6 @@ async def test_late_output_goes_to_the_cell_that_runs_when_it_arrives(tmp_path: 
     them returned show in the cell running (or last run) then, not in the cell that
     started the session (ipykernel 7 keeps a parent per context: the session's tasks
     must not keep the one of the cell they were started from)."""
-    import json
-
     cells = [
         (_LATE, None),
         ("late.arm.broadcast().get()", None),
