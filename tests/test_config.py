@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,9 @@ def test_explicit_zeros_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_explicit_zero_heartbeats_are_refused_not_replaced() -> None:
-    with pytest.raises(ValueError, match="heartbeat_period < heartbeat_timeout, got 0 and 5"):
+    with pytest.raises(ConfigError, match=r"^heartbeat_period=0 \(ProcMesh's argument\) must"):
         ProcMesh(heartbeat_period=0)
-    with pytest.raises(ValueError, match=r"got 0\.5 and 0"):
+    with pytest.raises(ConfigError, match=r"^heartbeat_timeout=0 \(ProcMesh's argument\) must"):
         ProcMesh(heartbeat_timeout=0)
     amesh.configure(heartbeat_period=2.0, heartbeat_timeout=9.0)
     procs = ProcMesh(heartbeat_period=1.0)
@@ -160,9 +161,75 @@ def test_unset_heartbeats_stretch_with_the_mesh_and_set_ones_do_not() -> None:
     amesh.configure(heartbeat_period=0.25)
     assert _config.heartbeats(4096) == (0.25, 5.0)  # set: as set
     amesh.configure(heartbeat_period=None, heartbeat_timeout=3.0)
-    assert _config.heartbeats(4096) == (8.0, 3.0)  # refused by ProcMesh: not < timeout
-    with pytest.raises(ValueError, match=r"got 8\.0 and 3\.0"):
+    with pytest.raises(ConfigError) as info:  # not more than the stretched period
         ProcMesh(per_host={"procs": 4096})
+    assert str(info.value) == (
+        "heartbeat_timeout=3.0 (amesh.configure) must be more than the heartbeat period "
+        "(8 s, the default for 4096 processes): a number > 8"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        (
+            {"AMESH_HEARTBEAT_TIMEOUT": "0.2"},
+            {},
+            "AMESH_HEARTBEAT_TIMEOUT=0.2 must be more than the heartbeat period "
+            "(0.5 s, the default): a number > 0.5",
+        ),
+        (
+            {"AMESH_HEARTBEAT_PERIOD": "6"},
+            {"heartbeat_timeout": 3},
+            "heartbeat_timeout=3 (ProcMesh's argument) must be more than the heartbeat "
+            "period (AMESH_HEARTBEAT_PERIOD=6): a number > 6",
+        ),
+        (
+            {"AMESH_HEARTBEAT_PERIOD": "2", "AMESH_HEARTBEAT_TIMEOUT": "1.5"},
+            {},
+            "AMESH_HEARTBEAT_TIMEOUT=1.5 must be more than the heartbeat period "
+            "(AMESH_HEARTBEAT_PERIOD=2): a number > 2",
+        ),
+    ],
+)
+def test_heartbeats_that_do_not_fit_name_their_variables(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], args: dict[str, Any], message: str
+) -> None:
+    """Issue 36, item 16: AMESH_HEARTBEAT_TIMEOUT=0.2 raised `need 0 < heartbeat_period
+    < heartbeat_timeout, got 0.5 and 0.2`, naming no variable."""
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as info:
+        ProcMesh(**args)
+    assert str(info.value) == message
+
+
+def test_unknown_variables_are_warned_of_once_with_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36, item 16: a misspelt variable was ignored silently. Those amesh sets
+    for its children, and those of its test suite and scripts, are not warned of."""
+    monkeypatch.setattr(_config, "_warned", set())
+    for var in ("AMESH_HEARTBEAT_TIMOUT", "AMESH_FANOUTT", "AMESH_QQQQ"):
+        monkeypatch.setenv(var, "1")
+    known = ("AMESH_OUTPUT_RANK", "AMESH_TEST_ANYTHING", "AMESH_SLURM_DIR", "AMESH_EXT_DEBUG")
+    for var in known:
+        monkeypatch.setenv(var, "1")
+    with pytest.warns(UserWarning) as record:
+        ProcMesh()
+    said = {str(w.message).split()[0]: str(w.message) for w in record}
+    assert {"AMESH_HEARTBEAT_TIMOUT", "AMESH_FANOUTT", "AMESH_QQQQ"} <= set(said), said
+    assert not set(known) & set(said)
+    assert said["AMESH_FANOUTT"] == (
+        "AMESH_FANOUTT is not an amesh setting, and is ignored; did you mean AMESH_FANOUT? "
+        "(the settings: docs/guides/configuration.md)"
+    )
+    assert "did you mean AMESH_HEARTBEAT_TIMEOUT?" in said["AMESH_HEARTBEAT_TIMOUT"]
+    assert "did you mean" not in said["AMESH_QQQQ"]  # nothing close
+    assert {w.filename for w in record} == {__file__}  # the line that made the mesh
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ProcMesh()  # once a process
 
 
 def test_values_round_trip_through_the_environment() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._config import unknown_variables
+
 __all__ = ["main"]
 
 
@@ -103,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for text in unknown_variables():  # a misspelt AMESH_STATE_DIR, say
+        print(f"amesh: warning: {text}", file=sys.stderr)
     if args.command == "keygen":
         from ._transport._auth import write_key_file
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import math
 import os
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,8 @@ __all__ = [
     "settings",
     "table",
     "take_internal",
+    "unknown_variables",
+    "warn_unknown",
 ]
 
 #: Variables amesh sets for its own children, never settings of a user.
@@ -53,6 +57,17 @@ INTERNAL = (
     "AMESH_WORKER_BACKEND",
     "AMESH_ZYGOTE_BOOT",
 )
+
+#: ``AMESH_*`` variables that are known but not amesh's: its test suite's and scripts'
+#: (``AMESH_TEST_*``, ``AMESH_SLURM_*`` of scripts/cluster) and the C extension's
+#: build switch; :func:`warn_unknown` does not take them for misspelt settings.
+_NOT_SETTINGS = (
+    "AMESH_CLUSTER_TESTS",
+    "AMESH_EXT_DEBUG",
+    "AMESH_FAULTS_PROFILE",
+    "AMESH_NEWER_PYTHON",
+)
+_NOT_SETTINGS_PREFIXES = ("AMESH_TEST_", "AMESH_SLURM_")
 
 _MIB = 1 << 20
 _TRUE = ("1", "true", "yes", "on")
@@ -397,8 +412,14 @@ def heartbeats(
     given (a ProcMesh's arguments), else those set (:func:`configure`, ``AMESH_*``),
     else defaults that keep the controller's load bounded: a period of at least
     ``processes / 512`` s (0.5 s up to 256 processes) and a timeout of at least 4
-    periods (5 s up to 1.25 s periods)."""
+    periods (5 s up to 1.25 s periods).
+
+    Raises:
+        ConfigError: the period is not > 0, or the timeout not more than the period;
+            the message says where each value came from.
+    """
     config = settings()
+    given_period, given_timeout = period is not None, timeout is not None
     if period is None:
         period = config.heartbeat_period
         if not is_set("heartbeat_period"):
@@ -407,12 +428,73 @@ def heartbeats(
         timeout = config.heartbeat_timeout
         if not is_set("heartbeat_timeout"):
             timeout = max(timeout, 4 * period)
+    if not period > 0:  # (a variable's or configure's was refused by its own rule)
+        raise ConfigError(f"heartbeat_period={period!r} (ProcMesh's argument) must be a number > 0")
+    if not timeout > period:
+        said = _source("heartbeat_period", period, given_period)
+        if not given_period and not is_set("heartbeat_period"):
+            stretched = period > config.heartbeat_period
+            said = f"{period:g} s, the default" + (
+                f" for {processes} processes" if stretched else ""
+            )
+        raise ConfigError(
+            f"{_source('heartbeat_timeout', timeout, given_timeout)} must be more than the "
+            f"heartbeat period ({said}): a number > {period:g}"
+        )
     return period, timeout
+
+
+def _source(name: str, value: float, given: bool) -> str:
+    """How an error names setting ``name``, ``value``: as its origin spells it (a
+    ProcMesh's argument if ``given``, :func:`configure`'s, or its variable's)."""
+    if given:
+        return f"{name}={value!r} (ProcMesh's argument)"
+    if name in _overrides:
+        return f"{name}={value!r} (amesh.configure)"
+    var = _var(name)
+    return f"{var}={os.environ.get(var, '')}"
 
 
 def is_set(name: str) -> bool:
     """Whether setting ``name`` was given (:func:`configure`, or its variable)."""
     return name in _overrides or bool(os.environ.get(_var(name)))
+
+
+_warned: set[str] = set()
+
+
+def unknown_variables() -> list[str]:
+    """What to say of each ``AMESH_*`` variable of the environment that is no setting
+    (a misspelt one would be ignored silently), once a process: that it is ignored, and
+    the closest setting. Called where a program starts using amesh (a ProcMesh, the
+    ``amesh`` command), not by :func:`settings`: amesh's children inherit the variables,
+    and would say it again."""
+    known = (*VARIABLES, *INTERNAL, *_NOT_SETTINGS)
+    said = []
+    for var in sorted(os.environ):
+        if (
+            not var.startswith("AMESH_")
+            or var in known
+            or var.startswith(_NOT_SETTINGS_PREFIXES)
+            or var in _warned
+        ):
+            continue
+        _warned.add(var)
+        # (the names without their common prefix, which would make any two look alike)
+        close = difflib.get_close_matches(var[6:].lower(), _FIELDS, n=1)
+        hint = f"; did you mean {_var(close[0])}?" if close else ""
+        said.append(
+            f"{var} is not an amesh setting, and is ignored{hint} "
+            "(the settings: docs/guides/configuration.md)"
+        )
+    return said
+
+
+def warn_unknown(stacklevel: int = 1) -> None:
+    """:func:`unknown_variables` as Python warnings; ``stacklevel``: that of the
+    caller's caller, whose line they show."""
+    for text in unknown_variables():
+        warnings.warn(text, stacklevel=stacklevel + 1)
 
 
 def exported() -> dict[str, str]:

@@ -40,7 +40,7 @@ from anyio.abc import TaskGroup
 from . import _codec, _reload
 from ._actor import Actor
 from ._actor_mesh import ActorMesh
-from ._config import default_transport, heartbeats, settings
+from ._config import default_transport, heartbeats, settings, warn_unknown
 from ._endpoint import unpicklable
 from ._errors import ActorError, Failure, SupervisionError
 from ._mesh import _registry
@@ -174,11 +174,7 @@ class ProcMesh(MeshView):
         self._hb_period, self._hb_timeout = heartbeats(
             len(self._shape), heartbeat_period, heartbeat_timeout
         )
-        if not 0 < self._hb_period < self._hb_timeout:
-            raise ValueError(
-                f"need 0 < heartbeat_period < heartbeat_timeout, got {self._hb_period!r} "
-                f"and {self._hb_timeout!r}"
-            )
+        warn_unknown(stacklevel=2)
         self._life = Lifecycle(
             self._host,
             self._env,
