@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
 from ._config import unknown_variables
@@ -14,7 +15,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="amesh", description="amesh: one controller, many worker processes."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument(
+        "--version", action="version", version=f"amesh {importlib.metadata.version('amesh')}"
+    )
+    # (not required: bare `amesh` prints this help)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     keygen = sub.add_parser("keygen", help="write a new job key file (readable by you only)")
     keygen.add_argument("path", help="where to write it (never overwritten)")
@@ -104,18 +109,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     for text in unknown_variables():  # a misspelt AMESH_STATE_DIR, say
         print(f"amesh: warning: {text}", file=sys.stderr)
+    if args.command is None:
+        parser.print_help()
+        return 0
     if args.command == "keygen":
         from ._transport._auth import write_key_file
 
         try:
             write_key_file(args.path)
-        except OSError as exc:
-            print(f"amesh keygen: {exc}", file=sys.stderr)
+        except FileExistsError:
+            print(
+                f"amesh keygen: {args.path} exists, and a key file is never overwritten "
+                "(remove it first, or choose another path)",
+                file=sys.stderr,
+            )
             return 1
-        print(f"wrote a new key to {args.path}")
+        except OSError as exc:
+            print(f"amesh keygen: cannot write {args.path}: {exc.strerror}", file=sys.stderr)
+            return 1
+        print(f"wrote a new key to {args.path} (readable by you only)")
         return 0
     if args.command == "agent":
         from ._hosts._agent import DEFAULT_GRACE, parse_listen
