@@ -242,8 +242,10 @@ def _announced(state: Path) -> tuple[Path, dict[str, object]]:
     return path, json.loads(path.read_text())
 
 
-def _cli_session(tmp_path: Path, state: Path) -> None:
-    cli = _spawn(["-m", "amesh", "debug"], tmp_path, state)
+def _cli_session(tmp_path: Path, state: Path, cli: pexpect.spawn | None = None) -> None:
+    """`amesh debug` (or ``cli``, one already started) attaches to w[0], and ends with
+    its session."""
+    cli = cli or _spawn(["-m", "amesh", "debug"], tmp_path, state)
     try:
         cli.expect(rf"attached to w\[0\] at controller\.py:{_breakpoint_line()}")
         cli.expect(rf"-> {_source(_stop_line())}\r\n{PROMPT}")  # untouched: still at the pause
@@ -272,6 +274,30 @@ def test_amesh_debug_attaches_from_another_terminal(
     _cli_session(tmp_path, state)
     _finish(child, pids)
     assert not path.exists()
+
+
+@pytest.mark.timeout(120)
+def test_amesh_debug_waits_for_a_rank_to_pause(
+    controller: Start,
+    tmp_path: Path,
+    state: Path,
+) -> None:
+    """Issue 36, item 19: `amesh debug` exited at once when no rank was paused; with
+    --wait it waits, here from before the controller started."""
+    cli = _spawn(["-m", "amesh", "debug", "--wait"], tmp_path, state)
+    try:
+        cli.expect("amesh debug: waiting for a rank to pause")
+        child = controller("0", "wait")
+        pids = _worker_pids(child)
+        _cli_session(tmp_path, state, cli)
+        _finish(child, pids)
+    finally:
+        cli.close(force=True)
+    late = _spawn(["-m", "amesh", "debug", "--wait", "0.2"], tmp_path, state)
+    late.expect(r"no rank of yours paused within 0\.2 s \(--wait\)")
+    late.expect(pexpect.EOF)
+    late.close()
+    assert late.exitstatus == 1
 
 
 @pytest.mark.timeout(120)

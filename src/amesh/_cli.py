@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import sys
 
 from ._config import unknown_variables
@@ -105,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     debug.add_argument(
         "--pid", type=int, default=None, help="the controller's pid (when several have one)"
     )
+    debug.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=math.inf,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait for a rank to pause (at most SECONDS; no value: as long as it takes)",
+    )
     return parser
 
 
@@ -160,5 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         from ._debug import cli as debug_main
         from ._hosts._home import state_dir
 
-        return debug_main(state_dir() / "debug", args.pid)
+        if not args.wait >= 0:
+            print("amesh debug: --wait must be 0 or more seconds", file=sys.stderr)
+            return 2
+        return debug_main(state_dir() / "debug", args.pid, args.wait)
     raise AssertionError(args.command)  # argparse allows no other

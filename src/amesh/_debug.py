@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import hmac
 import json
+import math
 import os
 import pdb
 import secrets
@@ -890,16 +891,35 @@ async def debug(timeout: float | None = None) -> bool:
     )
 
 
-def cli(files: Path, pid: int | None) -> int:
+def cli(files: Path, pid: int | None, wait: float = 0.0) -> int:
     """``amesh debug``: attach to a paused rank of a controller on this machine, found
-    by the file it wrote in ``files`` (see :class:`DebugListener`); an exit status."""
+    by the file it wrote in ``files`` (see :class:`DebugListener`), waiting up to
+    ``wait`` seconds (``math.inf``: for ever) for one to pause; an exit status."""
+    try:
+        return _cli(files, pid, wait)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _cli(files: Path, pid: int | None, wait: float) -> int:
     from ._transport._auth import adopt_key
 
-    found = _controllers(files)
-    if pid is not None:
-        found = [c for c in found if c["pid"] == pid]
+    deadline = time.monotonic() + wait
+    late = f"amesh debug: no rank of yours paused within {wait:g} s (--wait)"
+    found = _controllers(files, pid)
+    if not found and wait:
+        print(
+            "amesh debug: waiting for a rank to pause (Ctrl-C stops)", file=sys.stderr, flush=True
+        )
+    # a controller writes its file when its first rank pauses: until then, look again
+    while not found and time.monotonic() < deadline:
+        time.sleep(max(0.0, min(_POLL, deadline - time.monotonic())))
+        found = _controllers(files, pid)
     if not found:
-        print("amesh debug: no controller of yours has a paused rank", file=sys.stderr)
+        print(
+            late if wait else "amesh debug: no controller of yours has a paused rank",
+            file=sys.stderr,
+        )
         return 1
     if len(found) > 1:
         pids = ", ".join(str(c["pid"]) for c in found)
@@ -909,21 +929,20 @@ def cli(files: Path, pid: int | None) -> int:
         )
         return 2
     adopt_key(bytes.fromhex(found[0]["key"]))
+    left = deadline - time.monotonic()
     try:
-        if not attach(found[0]["address"], 0.0):
-            print("amesh debug: no rank is paused there now", file=sys.stderr)
+        if not attach(found[0]["address"], None if left == math.inf else max(0.0, left)):
+            print(late if wait else "amesh debug: no rank is paused there now", file=sys.stderr)
             return 1
     except (OSError, Refused) as exc:
         print(f"amesh debug: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
     return 0
 
 
-def _controllers(files: Path) -> list[dict[str, Any]]:
-    """The live controllers that announced a listener in ``files``: only files of ours
-    that nobody else may read are taken."""
+def _controllers(files: Path, pid: int | None) -> list[dict[str, Any]]:
+    """The live controllers that announced a listener in ``files`` (controller ``pid``'s
+    only, unless None): only files of ours that nobody else may read are taken."""
     out = []
     for path in sorted(files.glob("*.json")):
         try:
@@ -934,5 +953,6 @@ def _controllers(files: Path) -> list[dict[str, Any]]:
             os.kill(int(entry["pid"]), 0)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        out.append(entry)
+        if pid is None or entry["pid"] == pid:
+            out.append(entry)
     return out
