@@ -169,6 +169,28 @@ async def test_amesh_list_stacks_and_logs(tmp_path: Path, monkeypatch: pytest.Mo
         assert out.returncode == 1 and b"no live mesh named 'watched'" in out.stderr
 
 
+async def test_amesh_stop_of_a_live_mesh_that_is_not_persistent_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36, item 19: `amesh stop NAME` of a live mesh that is not persistent said
+    `no persistent mesh named 'NAME' on this machine (there are: none)`."""
+    monkeypatch.setenv("AMESH_STATE_DIR", str(tmp_path))
+    with anyio.fail_after(60):
+        async with ProcMesh({"procs": 1}, name="live") as procs:
+            out = await anyio.run_process(
+                [sys.executable, "-m", "amesh", "stop", "live"], check=False
+            )
+            assert out.returncode == 1
+            assert out.stderr.decode() == (
+                "amesh stop: 'live' is not a persistent mesh but a live one, of controller "
+                f"pid {os.getpid()}: it stops with its controller (procs.stop() there, or "
+                "end that program)\n"
+            )
+            assert len(await procs.status()) == 1  # untouched
+        out = await anyio.run_process([sys.executable, "-m", "amesh", "stop", "live"], check=False)
+        assert b"no persistent mesh named 'live'" in out.stderr  # once it is gone
+
+
 async def test_stale_registry_files_are_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

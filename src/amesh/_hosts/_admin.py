@@ -14,6 +14,7 @@ import anyio
 
 from .._config import default_transport
 from .._errors import SupervisionError
+from .._mesh._registry import read_all
 from .._runtime._runtime import open_runtime
 from .._transport import open_transport
 from .._transport._auth import adopt_key_file
@@ -80,7 +81,19 @@ async def _stacks(name: str, rank: int | None, pid: int | None) -> int:
 
 
 async def _stop(name: str, hosts: Sequence[str] | None, key_file: str | None) -> int:
-    mesh, _ = await find_held(name, hosts, key_file)
+    try:
+        mesh, _ = await find_held(name, hosts, key_file)
+    except LookupError:
+        owners = sorted(
+            str(r["pid"]) for r in read_all() for m in r.get("meshes", []) if m["name"] == name
+        )
+        if hosts is not None or not owners:
+            raise
+        raise LookupError(
+            f"{name!r} is not a persistent mesh but a live one, of controller pid "
+            f"{', '.join(owners)}: it stops with its controller (procs.stop() there, or "
+            "end that program)"
+        ) from None
     stopped = await mesh._agents.stop_mesh.call(name)
     print(f"stopped {name}: {sum(stopped.values())} process(es)")
     return 0
