@@ -291,7 +291,7 @@ class World:
         assert isinstance(reply, _wire.Reply), reply
         stats: dict[str, Any] = _codec.loads(reply.payload)
         error = await self.peer.call(self.controller, "nobody-here", "x")
-        assert isinstance(error, _wire.Error) and error.type_name == "LookupError", error
+        assert isinstance(error, _wire.Error) and error.type_name == _wire.NO_ACTOR, error
         return stats
 
     async def step(self, sent: Sent) -> None:

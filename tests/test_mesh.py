@@ -65,7 +65,7 @@ async def test_several_proc_meshes_and_actor_meshes() -> None:
             assert got == [[1, 1], [2, 2], [3, 3]]
             assert set(p1.pids).isdisjoint(p2.pids)
             await c2.stop()
-            with pytest.raises(amesh.ActorError, match="no actor"):
+            with pytest.raises(LookupError, match="actor mesh 'd' was stopped"):
                 await c2.get.call()
             assert (await c1.get.call()).values() == [1, 1]
 

@@ -335,6 +335,12 @@ class MeshEndpoint(Generic[P, R]):
                     f"{self._mesh.name}.{self._desc.name} at {where}: {value.message}",
                     [failure],
                 )
+            if value.type_name == _wire.NO_ACTOR:
+                # no actor ran: it was stopped or replaced (the message says which)
+                where = self._where(rank)[1]
+                raise LookupError(
+                    f"{self._mesh.name}.{self._desc.name} at {where}: {value.message}"
+                )
             if value.type_name == "amesh.ProtocolError":
                 # the worker does not speak our protocol version: no actor ran
                 where = self._where(rank)[1]
@@ -390,6 +396,7 @@ class MeshEndpoint(Generic[P, R]):
             ValueError: a ValueMesh argument does not have the called mesh's shape
                 (nothing was sent).
             ActorError: an endpoint raised.
+            LookupError: the actor mesh was stopped, or replaced (no endpoint ran).
             SupervisionError: a rank's process or actor failed.
             TimeoutError: the timeout given to :meth:`options` passed; the message
                 names the ranks that did not answer.
@@ -431,7 +438,8 @@ class MeshEndpoint(Generic[P, R]):
 
         Raises:
             ValueError: the mesh does not have exactly one rank, or as :meth:`call`.
-            ActorError, SupervisionError, TimeoutError, TypeError: as :meth:`call`.
+            ActorError, LookupError, SupervisionError, TimeoutError, TypeError: as
+                :meth:`call`.
         """
         mesh = self._mesh
         # the hot path: no generator, no ValueMesh, as few calls as can be

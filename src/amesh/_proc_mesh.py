@@ -61,6 +61,7 @@ from ._runtime._runtime import (
 from ._runtime._session import Op, bridged, bridged_always
 from ._shape import Shape
 from ._supervision import RestartPolicy, Supervisor, restart_policy
+from ._tracebacks import hide_amesh_frames
 from ._transport import open_transport
 from ._value_mesh import MeshView, ValueMesh
 
@@ -281,7 +282,9 @@ class ProcMesh(MeshView):
         await stack.__aenter__()
         try:
             rt = runtime_var.get()
-            if rt is None or rt.closed:
+            if rt is None or rt.closed:  # a controller's first mesh, under asyncio.run
+                if not settings().debug:
+                    hide_amesh_frames()
                 scheme, host = default_transport()
                 rt = await stack.enter_async_context(
                     open_runtime(lambda: open_transport(scheme, host=host))

@@ -286,6 +286,12 @@ def payload_size(env: Call | Cast) -> int:
     return len(env.payload) + sum(env.buffers)
 
 
+#: The ``type_name`` of the :class:`Error` a process answers a call with when it runs
+#: no such actor (stopped, replaced, or not spawned there yet): no user code ran, so
+#: the caller raises a LookupError that says so, not an ActorError.
+NO_ACTOR = "amesh.NoActor"
+
+
 class Error(msgspec.Struct, tag="error", array_like=True):
     """An exception for ``call_id`` from ``rank``, as data."""
 

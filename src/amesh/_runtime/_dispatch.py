@@ -86,12 +86,8 @@ class Dispatch:
         key = (env.sender, env.call_id)
         inst = self.actors.get(env.actor)
         if inst is None:
-            why = self._gone.get(env.actor)
-            self._decline(
-                env,
-                f"no actor {env.actor!r} is running in process {self.pid}"
-                + (f": {why}" if why else ""),
-            )
+            why = self._gone.get(env.actor)  # (stopped or replaced: says which mesh)
+            self._decline(env, why or f"no actor {env.actor!r} is running in process {self.pid}")
             return
         if inst.failed is not None:
             if isinstance(env, _wire.Cast):
@@ -115,14 +111,14 @@ class Dispatch:
             self._gone.popitem(last=False)
 
     def _decline(self, env: _wire.Call | _wire.Cast, why: str) -> None:
-        """A request no actor here will run: a call is answered with a LookupError, a
-        cast's credit is returned (its sender must not wait for it)."""
+        """A request no actor here will run: a call is answered with a
+        :data:`~amesh._wire.NO_ACTOR` error, a cast's credit is returned (its sender
+        must not wait for it)."""
         if isinstance(env, _wire.Cast):
             self._links.taken(env.sender, env.actor, _wire.payload_size(env))
         else:
-            self.reply_error(
-                env.reply_to or env.sender, env.reply_id or env.call_id, env.rank, LookupError, why
-            )
+            to, call_id = env.reply_to or env.sender, env.reply_id or env.call_id
+            self.reply_error(to, call_id, env.rank, _wire.NO_ACTOR, why)
 
     def cancel(self, key: tuple[str, int], relayed: bool) -> None:
         """The sender cancelled request ``key`` (``relayed``: we were gathering it)."""
@@ -137,10 +133,11 @@ class Dispatch:
             self.is_duplicate(*key)
 
     def reply_error(
-        self, sender: str, call_id: int, rank: int, exc_type: type[BaseException], msg: str
+        self, sender: str, call_id: int, rank: int, exc_type: type[BaseException] | str, msg: str
     ) -> None:
-        """Answer call ``call_id`` of ``sender`` with an error, if we can reach it."""
-        name = type_name_of(exc_type)
+        """Answer call ``call_id`` of ``sender`` with an error (a type, or its name on
+        the wire), if we can reach it."""
+        name = exc_type if isinstance(exc_type, str) else type_name_of(exc_type)
         try:
             self._links.send_nowait(sender, _wire.Error(call_id, rank, name, msg, ""))
         except Exception as exc:  # one that cannot even be encoded
