@@ -5,6 +5,7 @@ SupervisionError at a scope's exit."""
 from __future__ import annotations
 
 import linecache
+import os
 import subprocess
 import sys
 import threading
@@ -18,8 +19,8 @@ import pytest
 
 import amesh
 from amesh import ActorError, ProcMesh, _codec
-from amesh._runtime._mailbox import format_traceback
 from amesh._runtime._runtime import current_runtime
+from amesh._tracebacks import format_traceback
 
 from .actors import Counter
 
@@ -279,3 +280,65 @@ def test_an_unhandled_death_prints_the_supervision_error_alone(
         assert f'  File "{script}", line 12, in boom\n' in proc.stdout
         assert '    raise KeyError("from the script")\n' in proc.stdout
         assert AMESH_DIR not in proc.stdout
+
+
+SCRIPT_ERROR = """
+import sys
+import amesh
+from amesh import Actor, endpoint
+
+class Checker(Actor):
+    @endpoint
+    def check(self, x: int) -> None:
+        if x < 0:
+            raise ValueError(f"negative: {x}")
+
+async def main():
+    async with amesh.ProcMesh({"procs": 1}) as procs:
+        checker = await procs.spawn("checker", Checker)
+        await checker.check.call_one(-1)
+
+if sys.argv[1] == "run":
+    amesh.run(main, backend=sys.argv[2])
+else:  # the session: no async at all
+    procs = amesh.ProcMesh({"procs": 1}).get()
+    checker = procs.spawn("checker", Checker).get()
+    checker.check.call_one(-1).get()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("how", "backend"), [("run", "asyncio"), ("run", "trio"), ("get", "asyncio")]
+)
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_controller_prints_its_traceback_without_amesh_frames(
+    tmp_path: Path, how: str, backend: str, debug: bool
+) -> None:
+    """A script's uncaught error shows the user's frames, here and remote, not those of
+    amesh (nor of the event loop it runs main on); ``AMESH_DEBUG=1`` shows them all."""
+    script = tmp_path / "controller.py"
+    script.write_text(SCRIPT_ERROR)
+    env = {**os.environ, "AMESH_DEBUG": "1" if debug else "0"}
+    proc = subprocess.run(
+        [sys.executable, str(script), how, backend],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr
+    assert err.rstrip().splitlines()[-1].startswith("amesh._errors.ActorError: ValueError")
+    local = err[err.index("The above exception was the direct cause") :]
+    assert f'  File "{script}", line ' in local
+    if debug:
+        assert f'  File "{AMESH_DIR}/_endpoint.py", line ' in local, err
+    else:
+        assert AMESH_DIR not in err, err
+        for library in ("anyio", "asyncio", "trio", "uvloop", "concurrent/futures"):
+            assert f"/{library}/" not in local, err
+        # the remote part: the endpoint's own frame only
+        frames = 3 if how == "run" else 2  # (and here: the script, and main under run)
+        assert err.count(f'  File "{script}", line ') == frames, err

@@ -8,6 +8,7 @@ life of the process that made it."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,10 @@ import anyio
 import nbformat
 import pytest
 
+import amesh
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+AMESH_DIR = str(Path(amesh.__file__).parent)
 
 _EXECUTE = """
 import sys
@@ -96,7 +100,8 @@ try:
             if msg["msg_type"] == "stream":
                 outputs.append((parent, content["text"]))
             elif msg["msg_type"] == "error":
-                outputs.append((parent, content["ename"] + ": " + content["evalue"]))
+                lines = [content["ename"] + ": " + content["evalue"], *content["traceback"]]
+                outputs.append((parent, chr(10).join(lines)))
             elif msg["msg_type"] == "status" and parent == msg_id:
                 idle = idle or content["execution_state"] == "idle"
 finally:
@@ -156,3 +161,50 @@ async def test_late_output_goes_to_the_cell_that_runs_when_it_arrives(tmp_path: 
     notices = [parent for parent, text in outputs if "supervision failure" in text]
     assert late_lines and set(late_lines) == {ids[2]}, outputs
     assert notices and set(notices) == {ids[3]}, outputs
+
+
+_FAILING = """
+import amesh
+from amesh import Actor, endpoint
+
+def check(x):
+    if x < 0:
+        raise ValueError(f"negative: {x}")
+
+class Checker(Actor):
+    @endpoint
+    def check(self, x: int) -> None:
+        check(x)
+
+procs = amesh.ProcMesh({"procs": 1}).get()
+checker = procs.spawn("checker", Checker).get()
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_remote_error_in_a_cell_shows_cells_and_no_amesh_frames(tmp_path: Path) -> None:
+    """The remote frames of code defined in a cell read ``Cell In[1], line N`` (not the
+    kernel's temporary file), and the local part has the cell's frame, not amesh's."""
+    cells = [
+        (_FAILING, None),
+        ("checker.check.call_one(-1).get()", None),
+        ("await checker.check.call_one(-2)", None),
+        ("procs.stop().get()", None),
+    ]
+    with anyio.fail_after(180):
+        run = await anyio.run_process(
+            [sys.executable, "-c", _CELLS, json.dumps(cells), str(tmp_path)], check=False
+        )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    got = json.loads(run.stdout)
+    errors = dict(got["outputs"])
+    for cell, x in ((1, -1), (2, -2)):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", errors[got["ids"][cell]])
+        assert text.startswith(f"ActorError: ValueError: negative: {x} in actor 'checker'")
+        # the remote frames, of code from cell 1
+        assert re.search(r"Cell In\[1\], line \d+, in check\n +check\(x\)\n", text), text
+        assert re.search(r"Cell In\[1\], line \d+, in check\n +raise ValueError", text)
+        assert f"Cell In[{cell + 1}], line 1" in text  # the call, here
+        assert "ipykernel_" not in text
+        assert AMESH_DIR not in text and "_session.py" not in text, text

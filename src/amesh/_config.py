@@ -209,7 +209,9 @@ class Settings:
         minimum=0,
     )
     debug: bool = _setting(
-        False, "Remote tracebacks keep amesh's own frames (which they leave out)."
+        False,
+        "Tracebacks keep amesh's own frames (which they leave out: remote ones, and those "
+        "a controller prints).",
     )
     pause_anywhere: bool = _setting(
         False,
@@ -521,7 +523,8 @@ def default_transport() -> tuple[str, str]:
 
 
 def debug() -> bool:
-    """``AMESH_DEBUG``: remote tracebacks keep amesh's own frames, which they leave out
+    """``AMESH_DEBUG``: tracebacks keep amesh's own frames, which they leave out (remote
+    ones, and those a controller prints: :func:`amesh._tracebacks.hide_amesh_frames`)
     by default. A worker reads its own environment: a local one inherits the
     controller's (and :func:`configure`'s); set it for remote ones with
     ``ProcMesh(env=...)`` or :func:`configure`."""

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._tracebacks import cell_names
+
 __all__ = [
     "ActorError",
     "DeadlockError",
@@ -65,8 +67,9 @@ class ActorError(Exception):
         type_name: qualified name of the remote exception type.
         message: ``str()`` of the remote exception.
         traceback: the remote traceback, formatted: the user's frames, with the source
-            lines of code shipped by value too; amesh's own frames only with
-            ``AMESH_DEBUG=1`` in the worker's environment.
+            lines of code shipped by value too (a notebook cell's named as IPython
+            names it, ``Cell In[3]``); amesh's own frames only with ``AMESH_DEBUG=1``
+            in the worker's environment.
         actor: the name of the actor mesh that was called.
         point: the coordinates of the failing rank in the mesh (or slice) that was
             called, with ``"rank"``.
@@ -82,7 +85,7 @@ class ActorError(Exception):
     ) -> None:
         self.type_name = type_name
         self.message = message
-        self.traceback = traceback
+        self.traceback = traceback = cell_names(traceback)
         self.actor = actor
         self.point = dict(point or {})
         super().__init__(type_name, message, traceback, actor, point)

@@ -9,6 +9,7 @@ import anyio
 
 from ._config import default_transport, loop_options, settings
 from ._runtime._runtime import open_runtime
+from ._tracebacks import hide_amesh_frames
 from ._transport import open_transport
 
 __all__ = ["run"]
@@ -25,6 +26,8 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str | None = Non
             ``AMESH_BACKEND`` sets the default.
     """
     backend = backend or settings().backend
+    if not settings().debug:
+        hide_amesh_frames()
 
     async def root() -> T:
         scheme, host = default_transport()

@@ -13,8 +13,6 @@ import contextvars
 import dis
 import inspect
 import logging
-import os
-import sys
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,6 +25,7 @@ from anyio.abc import TaskGroup
 
 from .. import _codec, _wire
 from .._config import debug
+from .._tracebacks import format_traceback
 from ._capture import before_reply
 from ._context import (
     CallContext,
@@ -48,7 +47,6 @@ __all__ = [
     "Owned",
     "can_wait",
     "error_of",
-    "format_traceback",
     "type_name_of",
 ]
 
@@ -176,49 +174,6 @@ def error_of(exc: BaseException) -> tuple[str, str, str]:
         tb = "".join(["Traceback (most recent call last):\n", *frames])
         tb += f"{type_name_of(type(exc))}: {message}\n"
     return _wire.clip(type_name_of(type(exc)), _wire.MAX_NAME), _wire.clip(message), _wire.clip(tb)
-
-
-#: Frames of files under this directory are amesh's own.
-_AMESH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-#: The libraries amesh runs handlers with (event loops, worker threads): a stack's
-#: leading frames in them are amesh's dispatch too.
-_RUNNERS = ("anyio", "asyncio", "trio", "outcome")
-
-
-def format_traceback(exc: BaseException, with_amesh: bool = False) -> str:
-    """The traceback text of ``exc``, causes and contexts included, as Python prints
-    it; unless ``with_amesh`` (``AMESH_DEBUG``), without amesh's own frames and the
-    frames of the libraries it called the user's code through."""
-    te = traceback.TracebackException.from_exception(exc)
-    if not with_amesh:
-        runners = (_AMESH_DIR, *filter(None, map(_package_dir, _RUNNERS)))
-        for t in _chain(te):
-            frames = list(t.stack)
-            lead = 0
-            while lead < len(frames) and frames[lead].filename.startswith(runners):
-                lead += 1
-            user = [f for f in frames[lead:] if not f.filename.startswith(_AMESH_DIR)]
-            t.stack = traceback.StackSummary.from_list(user)
-    return "".join(te.format())
-
-
-def _chain(te: traceback.TracebackException) -> list[traceback.TracebackException]:
-    """``te`` and every exception it holds: causes, contexts, members of a group."""
-    found: dict[int, traceback.TracebackException] = {}
-    todo = [te]
-    while todo:
-        t = todo.pop()
-        if id(t) not in found:
-            found[id(t)] = t
-            todo += [x for x in (t.__cause__, t.__context__) if x is not None]
-            todo += t.exceptions or ()
-    return list(found.values())
-
-
-def _package_dir(name: str) -> str | None:
-    """The directory of imported package ``name`` (with a trailing separator)."""
-    file = getattr(sys.modules.get(name), "__file__", None)
-    return os.path.dirname(file) + os.sep if file else None
 
 
 def _run_in_thread(

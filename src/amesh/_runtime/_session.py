@@ -45,8 +45,9 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import anyio
 
-from .._config import default_transport, loop_options
+from .._config import debug, default_transport, loop_options
 from .._errors import Failure
+from .._tracebacks import hide_amesh_frames
 from .._transport import open_transport
 from ._context import call_context, runtime_var
 from ._runtime import Runtime, open_runtime
@@ -94,6 +95,8 @@ class _Session:
             if not self._registered:  # (after the transport's own atexit: runs first)
                 atexit.register(self.close)
                 self._registered = True
+                if not debug():
+                    hide_amesh_frames()
             assert self.loop is not None
             return self.loop
 
