@@ -30,16 +30,19 @@ from .._debug import RemoteDebugger, set_remote_debuggers
 from .._errors import SupervisionError
 from .._mesh._host import Holder, ProcHandle, set_persistent_host
 from .._proc_mesh import ProcMesh
+from .._runtime._peers import LINK_LOST
 from .._runtime._runtime import Runtime, current_runtime
 from .._runtime._session import bridged
 from .._shape import Shape
 from .._supervision import Supervisor
 from .._transport._auth import adopt_key_file
+from .._transport._tags import dial_part
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent
 from ._home import local_agent, local_agent_address, local_key
 from ._local import ReadyWaiter
+from ._reach import AgentAddress, parse_agent_address, resolves, why_unreachable
 
 __all__ = ["HostMesh", "RemoteProcess", "attach", "attach_mesh", "held_meshes"]
 
@@ -56,6 +59,7 @@ class RemoteProcess:
     def __init__(self, agent: ActorMesh[HostAgent], pid: int, where: str) -> None:
         self._agent = agent
         self.pid = pid
+        #: its agent, as HOST:PORT
         self._where = where
         self._rc: int | None = None
         self.lost: str | None = None
@@ -99,7 +103,7 @@ class RemoteProcess:
             self._rc = await self._agent.wait_exit.call_one(self.pid)
         except SupervisionError as exc:
             # the agent is gone, and its workers die with it
-            self.lost = f"was lost with its host agent at {self._where} ({exc.message})"
+            self.lost = f"was lost with its host agent at {self._where}: {_agent_lost(exc)}"
             self._rc = -signal.SIGKILL
         scope.cancel()
 
@@ -125,6 +129,21 @@ class RemoteProcess:
 
     async def aclose(self) -> None:
         pass
+
+
+def _host_port(addr: str) -> str:
+    """``HOST:PORT`` of an agent's address (without its scheme and tag)."""
+    return dial_part(addr).split("://", 1)[-1]
+
+
+def _agent_lost(exc: SupervisionError) -> str:
+    """Why an agent was lost, in a few words: the cause of its failure, without the
+    layers of the call that found it (its endpoint, its actor, its rank)."""
+    cause = exc.failures[0].cause if exc.failures else exc.message
+    head = LINK_LOST + " ("
+    if cause.startswith(head) and cause.endswith(")"):
+        return cause[len(head) : -1]
+    return cause
 
 
 #: Seconds a killed remote worker's agent has to confirm that it reaped it.
@@ -340,22 +359,35 @@ class _Placement:
         except BaseException:
             ready.cancel()
             raise
-        process = RemoteProcess(agent, pid, where)
+        process = RemoteProcess(agent, pid, _host_port(self._hosts._infos[index]["addr"]))
         msg = await ready.started(process, pid, where)
         return ProcHandle(msg.addr, msg.pid, process, local=False, host=where)
 
 
 def _agent_address(addr: str) -> str:
     """The address to dial for ``addr``: ``tcp://`` means encrypted (``tls+tcp://``);
-    ``stream+tcp://`` (plain streams) and ``tls+tcp://`` are kept."""
-    if addr.startswith(("stream+tcp://", "tls+tcp://")):
-        return addr
-    if addr.startswith("tcp://"):
-        return "tls+" + addr
-    raise ValueError(
-        "a host agent's address is tcp://ADDR:PORT (encrypted) or stream+tcp://ADDR:PORT "
-        f"(plain), not {addr!r}"
-    )
+    ``stream+tcp://`` (plain streams) and ``tls+tcp://`` are kept.
+
+    Raises:
+        ValueError: ``addr`` is not an agent's address (see
+            :func:`~._reach.parse_agent_address`).
+    """
+    return parse_agent_address(addr).dial
+
+
+async def _reach_error(
+    exc: SupervisionError, agents: Sequence[AgentAddress], key_file: str | None
+) -> SupervisionError:
+    """The error of an :func:`attach` whose agents (the ranks of ``exc``) cannot be
+    reached or refused us: one sentence each, with the address typed and the cause."""
+    ranks = sorted({f.rank for f in exc.failures if 0 <= f.rank < len(agents)})
+    if not ranks:
+        return exc
+    whys = [
+        f"the agent at {agents[r].typed} {await why_unreachable(agents[r], key_file)}"
+        for r in ranks
+    ]
+    return SupervisionError("; ".join(whys), exc.failures)
 
 
 @bridged
@@ -379,12 +411,20 @@ async def attach(
     Raises:
         RuntimeError: this controller listens where other machines cannot reach it,
             or already uses another key.
-        SupervisionError: an agent cannot be reached or refused us.
+        SupervisionError: an agent cannot be reached or refused us; the message
+            names its address as given and why (the name does not resolve, nothing
+            listens there, it does not answer, it holds another key, or its address
+            has another tag).
         TimeoutError: an agent did not answer in time.
+        ValueError: an address is not an agent's (a bad port or tag, say).
     """
     if not addrs:
         raise ValueError("attach needs at least one agent address")
-    agents = [_agent_address(a) for a in addrs]
+    typed = [parse_agent_address(a) for a in addrs]
+    for a in typed:
+        if not await resolves(a):
+            raise SupervisionError(f"the agent at {a.typed} {await why_unreachable(a, key_file)}")
+    agents = [a.dial for a in typed]
     if key_file is not None:
         adopt_key_file(key_file)
     rt = current_runtime()
@@ -399,7 +439,10 @@ async def attach(
     mesh = ActorMesh(
         "hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": len(agents)}), agents, 0
     )
-    infos = list((await mesh.info.options(timeout=timeout).call()).values())
+    try:
+        infos = list((await mesh.info.options(timeout=timeout).call()).values())
+    except SupervisionError as exc:
+        raise await _reach_error(exc, typed, key_file) from None
     # (an agent older than its "grace" answer: the default grace's period)
     _lease(rt, agents, [float(i.get("grace", DEFAULT_GRACE)) for i in infos])
     return HostMesh(mesh, infos)
@@ -540,7 +583,8 @@ async def attach_mesh(
     for slot, (addr, pid) in enumerate(record["procs"]):
         index = slot // per_host
         where = mesh._infos[index]["host"]
-        process = RemoteProcess(mesh._agents.slice(hosts=index), pid, where)
+        at = _host_port(mesh._infos[index]["addr"])
+        process = RemoteProcess(mesh._agents.slice(hosts=index), pid, at)
         if pid in exits:
             process._rc = exits[pid]
         handles.append(ProcHandle(addr, pid, process, local=False, host=where))

@@ -27,9 +27,12 @@ from ._calls import Calls
 from ._links import Links
 from ._router import Router
 
-__all__ = ["Peers", "peer_of"]
+__all__ = ["LINK_LOST", "Peers", "peer_of"]
 
 log = logging.getLogger("amesh.runtime")
+
+#: The cause of a peer whose link broke begins so, followed by why in parentheses.
+LINK_LOST = "its connection was lost"
 
 _PID_IN_NAME = re.compile(r"amesh-(\d+)-[0-9a-f]+")
 
@@ -134,7 +137,7 @@ class Peers:
             watcher(why)
             return
         host, pid = peer_of(addr)
-        failure = Failure(f"process at {addr}", -1, pid, f"its connection was lost ({why})")
+        failure = Failure(f"process at {addr}", -1, pid, f"{LINK_LOST} ({why})")
         if host is not None:
             failure = dataclasses.replace(failure, host=host)
         log.info("lost the connection to %s: %s", addr, why)

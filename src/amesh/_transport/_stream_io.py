@@ -544,7 +544,7 @@ class AioLink(Waiters):
                 except OSError as exc:  # refused, no such socket yet, timed out
                     sock.close()
                     if loop.time() >= give_up:
-                        self.fail(f"cannot connect: {exc or type(exc).__name__}")
+                        self.fail(_cannot_connect(exc))
                         return
                 except Exception as exc:  # anything else fails the link, never hangs it
                     sock.close()
@@ -587,6 +587,16 @@ class AioLink(Waiters):
                     conn.flush()  # what waited for the end of the turn goes too
                     conn.transport.close()
             self.wake()
+
+
+def _cannot_connect(exc: OSError) -> str:
+    """Why dialling failed, never empty (a timeout's own text is)."""
+    if isinstance(exc, TimeoutError):
+        return (
+            f"cannot connect: no answer within {HANDSHAKE_TIMEOUT:g} s (the listener "
+            "is stopped, or overloaded)"
+        )
+    return f"cannot connect: {exc.strerror or exc}"
 
 
 async def _aio_challenge(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
@@ -779,7 +789,7 @@ class AnyioLink(Waiters):
                 return False
             except OSError as exc:  # refused, no such socket yet, timed out
                 if anyio.current_time() >= give_up:
-                    self.fail(f"cannot connect: {exc or type(exc).__name__}")
+                    self.fail(_cannot_connect(exc))
                     return False
                 await anyio.sleep(delay)
                 delay = min(2 * delay, _RETRY_MAX)
