@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,13 @@ async def test_status_shows_running_and_queued_calls(cls: type[Waiter]) -> None:
                 assert busy["now"] == ["wait_for_door"]
                 assert _waiter((await procs.status()).values()[0]["actors"])["running"] == 0
                 stacks = await procs.stacks(1)
-                assert "wait_for_door" in stacks and "--- thread" in stacks
+                # the user's task first, amesh's frames folded, its own threads counted
+                assert stacks.startswith("--- task"), stacks
+                assert "in wait_for_door\n    await _door().wait()" in stacks, stacks
+                assert "frames of " in stacks and "_mailbox.py" not in stacks, stacks
+                assert "threads and" in stacks.splitlines()[-1], stacks
+                full = await procs.stacks(1, full=True)
+                assert "--- thread" in full and "_mailbox.py" in full, full
                 assert "wait_for_door" not in await procs.stacks(0)
                 every = await procs.stacks()
                 assert "wait_for_door" in every.values()[1]
@@ -109,6 +116,59 @@ async def test_status_shows_running_and_queued_calls(cls: type[Waiter]) -> None:
             assert (done["queued"], done["now"]) == (0, [])
             with pytest.raises(IndexError):
                 await procs.stacks(2)
+
+
+class Stuck(Actor):
+    """Its endpoint holds the event loop's thread in a synchronous call."""
+
+    @endpoint
+    def hold(self, started: str, release: str) -> None:
+        Path(started).touch()
+        _hold_until(release)
+
+
+def _hold_until(release: str) -> None:
+    while not os.path.exists(release):
+        time.sleep(0.01)
+
+
+#: the line the stuck rank is on
+_HELD_AT = f"line {_hold_until.__code__.co_firstlineno + 2}, in _hold_until"
+
+
+async def test_stacks_of_a_rank_stuck_in_a_sync_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank whose event loop is held by a synchronous call still shows its stacks
+    (taken by a signal, and said so), the user's frames first: procs.stacks(), `amesh
+    stacks`; `amesh list` shows it busy. A rank whose loop answers answers itself."""
+    monkeypatch.setenv("AMESH_STATE_DIR", str(tmp_path))
+    started, release = tmp_path / "started", tmp_path / "release"
+    with anyio.fail_after(90):
+        async with ProcMesh({"procs": 2}, name="stuck") as procs:
+            stuck = await procs.spawn("stuck", Stuck)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stuck.slice(procs=1).hold.call_one, str(started), str(release))
+                while not started.exists():  # noqa: ASYNC110  (another process's file)
+                    await anyio.sleep(0.01)
+                text = await procs.stacks(1)
+                assert "did not answer within 2 s: stacks taken by a signal" in text, text
+                lines = text.splitlines()
+                assert lines[1].startswith("--- thread") and "(main" in lines[1], text
+                assert _HELD_AT in "\n".join(lines[:8]), text
+                assert "in hold\n    _hold_until(release)" in text, text
+                assert "_mailbox.py" not in text and "frames of " in text, text
+                full = await procs.stacks(1, full=True)
+                assert _HELD_AT in full and "_mailbox.py" in full, full
+                assert "taken by a signal" not in (await procs.stacks()).values()[0]
+                p1 = procs.pids[1]
+                listed = await _amesh("list")
+                assert f"1: pid {p1}  busy: its event loop did not answer" in listed, listed
+                assert "`amesh stacks stuck 1` shows where" in listed, listed
+                out = await _amesh("stacks", "stuck", "1")
+                assert f"=== stuck rank 1 (pid {p1})" in out and _HELD_AT in out, out
+                assert "taken by a signal" in out, out
+                release.touch()
 
 
 async def _append(results: list[int], call: Any) -> None:

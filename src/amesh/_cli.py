@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     stacks.add_argument("name", help="the mesh's name (`procs` unless named)")
     stacks.add_argument("rank", type=int, nargs="?", default=None, help="one rank only")
+    stacks.add_argument(
+        "--full",
+        action="store_true",
+        help="every frame: amesh's own and the standard library's too (also AMESH_DEBUG=1)",
+    )
     logs = sub.add_parser(
         "logs",
         help="print the last lines of output of a live mesh's workers (its controller keeps 1000)",

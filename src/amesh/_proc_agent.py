@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -145,9 +146,11 @@ class ProcAgent(Actor):
         return {"pid": rt.pid, "actors": actors}
 
     @endpoint
-    def stacks(self) -> str:
-        """Every thread's current Python stack and the event loop's pending tasks'."""
-        return format_stacks()
+    def stacks(self, full: bool = False) -> str:
+        """Every thread's current Python stack and the event loop's pending tasks', the
+        user's first (``full``: amesh's own frames too; see
+        :mod:`amesh._runtime._stacks`)."""
+        return format_stacks(full)
 
     @endpoint
     def adopt(self) -> int:
@@ -169,20 +172,36 @@ class ProcAgent(Actor):
 
 class ControllerAgent(Actor):
     """Lives under :data:`CONTROLLER_KEY` in a controller once it runs a mesh: answers
-    ``amesh logs``."""
+    ``amesh logs``, and ``amesh stacks`` for ranks whose event loop does not."""
+
+    def __init__(self) -> None:
+        #: this controller's running meshes (ProcMeshes, which sit above this layer)
+        self.meshes: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @endpoint
     def logs(self, name: str, n: int = 100) -> list[str]:
         """The last ``n`` lines of output of this controller's mesh ``name``."""
         return current_runtime().outputs.recent(name, n)
 
+    @endpoint(concurrent=True)
+    async def stacks(self, name: str, slot: int, full: bool = False) -> str:
+        """The stacks of process ``slot`` of this controller's mesh ``name``, taken by a
+        signal (its event loop did not answer ``amesh stacks``)."""
+        for mesh in list(self.meshes):
+            if mesh.name == name and mesh.listing() is not None:
+                text: str = await mesh._stacks_by_signal(slot, full)
+                return text
+        raise LookupError(f"this controller runs no mesh named {name!r}")
 
-def serve_controller(rt: Any) -> None:
-    """Run a :class:`ControllerAgent` in ``rt`` (once)."""
-    if CONTROLLER_KEY not in rt.actors:
+
+def serve_controller(rt: Any, mesh: Any) -> None:
+    """Run a :class:`ControllerAgent` in ``rt`` (once), which answers for ``mesh`` (a
+    running ProcMesh) too."""
+    inst = rt.actors.get(CONTROLLER_KEY)
+    if inst is None:
         agent = ControllerAgent()
-        rt.add_actor(
-            ActorInstance(
-                rt, CONTROLLER_KEY, CONTROLLER_KEY, agent, handlers_of(ControllerAgent), "", 0
-            )
+        inst = ActorInstance(
+            rt, CONTROLLER_KEY, CONTROLLER_KEY, agent, handlers_of(ControllerAgent), "", 0
         )
+        rt.add_actor(inst)
+    inst.obj.meshes.add(mesh)

@@ -59,6 +59,7 @@ from ._runtime._runtime import (
     pass_cancellation,
 )
 from ._runtime._session import Op, bridged, bridged_always
+from ._runtime._stackdump import LOOP_TIMEOUT
 from ._shape import Shape
 from ._supervision import RestartPolicy, Supervisor, restart_policy
 from ._tracebacks import hide_amesh_frames
@@ -251,19 +252,45 @@ class ProcMesh(MeshView):
         return await self._agents(self._live()).status.call()
 
     @bridged
-    async def stacks(self, rank: int | None = None) -> str | ValueMesh[str]:
+    async def stacks(self, rank: int | None = None, *, full: bool = False) -> str | ValueMesh[str]:
         """The current Python stacks of the workers (every thread's; the pending tasks'
         on asyncio and trio), as text: of the process of ``rank`` (in this mesh or
-        slice), else a :class:`ValueMesh` of every process's."""
+        slice), else a :class:`ValueMesh` of every process's.
+
+        The threads and tasks that run the user's code come first, with amesh's and
+        the standard library's frames folded (``full=True`` or ``AMESH_DEBUG=1``: all
+        of them). A worker whose event loop does not answer within 2 s (a long
+        synchronous call) has its threads' stacks taken by a signal instead, and the
+        text says so.
+        """
         st = self._live()
-        if rank is None:
-            return await self._agents(st).stacks.call()
-        if not 0 <= rank < len(self._shape):
+        full = full or settings().debug
+        if rank is not None and not 0 <= rank < len(self._shape):
             raise IndexError(f"rank {rank} is not in {self!r}")
-        one = Shape(["procs"], [1], [self._shape.slots[rank]])
-        agent = ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, one, st.addrs)
-        text: str = await agent.stacks.call_one()
-        return text
+        slots = self._shape.slots if rank is None else [self._shape.slots[rank]]
+        texts = [""] * len(slots)
+
+        async def one(i: int, slot: int) -> None:
+            agent = ActorMesh(
+                AGENT_KEY, AGENT_KEY, ProcAgent, Shape(["procs"], [1], [slot]), st.addrs
+            )
+            try:
+                texts[i] = await agent.stacks.options(timeout=LOOP_TIMEOUT).call_one(full)
+            except TimeoutError:
+                texts[i] = await st.procs[slot].stacks_by_signal(full)
+
+        async with anyio.create_task_group() as tg:
+            for i, slot in enumerate(slots):
+                tg.start_soon(one, i, slot)
+        return texts[0] if rank is not None else ValueMesh.of(self._shape, texts)
+
+    async def _stacks_by_signal(self, slot: int, full: bool = False) -> str:
+        """The stacks of process ``slot``, taken without its event loop (``amesh
+        stacks``, through :class:`~amesh._proc_agent.ControllerAgent`)."""
+        st = self._live()
+        if not 0 <= slot < len(st.procs):
+            raise IndexError(f"{self!r} has no process {slot}")
+        return await st.procs[slot].stacks_by_signal(full)
 
     # -- starting -----------------------------------------------------------------------
 
@@ -399,7 +426,7 @@ class ProcMesh(MeshView):
         if self._persistent:
             holder: Holder = self._host  # type: ignore[assignment]
             await holder.hold(self._record(st))
-        serve_controller(st.runtime)  # for `amesh logs`
+        serve_controller(st.runtime, self)  # for `amesh logs` and `amesh stacks`
         _registry.update(self)
 
     def listing(self) -> dict[str, Any] | None:

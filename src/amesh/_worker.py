@@ -56,7 +56,7 @@ from ._actor import handlers_of
 from ._bootstrap import Bootstrap, read_bootstrap
 from ._config import loop_options, settings, take_internal
 from ._proc_agent import AGENT_KEY, ProcAgent
-from ._runtime import _capture
+from ._runtime import _capture, _stackdump
 from ._runtime._context import call_context
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
@@ -458,6 +458,7 @@ def main(boot: Bootstrap | None = None) -> None:
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
     _take_output(settings().log_level or "WARNING")
+    _stackdump.install()  # its stacks when its event loop cannot answer
     # the event loop its ProcMesh asks for (not passed on to this worker's children)
     backend = take_internal("AMESH_WORKER_BACKEND") or "asyncio"
     if backend not in ("asyncio", "trio"):

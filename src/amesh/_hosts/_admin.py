@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from .._config import default_transport
+from .._config import default_transport, settings
 from .._errors import SupervisionError
 from .._mesh._registry import read_all
 from .._runtime._runtime import open_runtime
@@ -21,7 +21,7 @@ from .._transport._auth import adopt_key_file
 from .._transport._stream import StreamTransport
 from ._agent import address_towards
 from ._home import local_key
-from ._live import ask, describe_live, find, live_meshes, recent_logs
+from ._live import describe_live, find, live_meshes, recent_logs, stacks
 from ._remote import _agent_address, find_held, held_meshes
 
 __all__ = ["describe", "main"]
@@ -67,16 +67,16 @@ def _print_list(held: dict[str, Any], live: list[dict[str, Any]] | None, as_json
         print(describe(name, held[name]))
 
 
-async def _stacks(name: str, rank: int | None, pid: int | None) -> int:
+async def _stacks(name: str, rank: int | None, pid: int | None, full: bool) -> int:
     key, mesh = find(name, pid)
     ranks = list(range(len(mesh["addrs"]))) if rank is None else [rank]
     if not all(0 <= r < len(mesh["addrs"]) for r in ranks):
         print(f"amesh stacks: mesh {name!r} has no rank {rank}", file=sys.stderr)
         return 1
-    texts = await ask(key, mesh, "stacks", ranks)
+    texts = await stacks(key, mesh, ranks, full or settings().debug)
     for r, text in zip(ranks, texts):
         print(f"=== {name} rank {r} (pid {mesh['pids'][r]})")
-        print(text["error"] if isinstance(text, dict) else text)
+        print(text)
     return 0
 
 
@@ -106,7 +106,7 @@ def main(
 
     async def run() -> int:
         if command == "stacks":
-            return await _stacks(args.name, args.rank, args.pid)
+            return await _stacks(args.name, args.rank, args.pid, args.full)
         if command == "logs":
             key, mesh = find(args.name, args.pid)
             lines = await recent_logs(key, mesh, args.lines)

@@ -55,6 +55,7 @@ from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
 from .._runtime._mailbox import ActorInstance
 from .._runtime._runtime import Runtime, current_runtime, open_runtime
+from .._runtime._stackdump import stacks_by_signal
 from .._transport import HybridTransport, StreamTransport, Transport, default_impl, open_tls
 from .._transport._auth import adopt_key, read_key_file
 from ._home import state_dir
@@ -217,6 +218,14 @@ class HostAgent(Actor):
             child.process.terminate()
         else:
             child.process.kill()
+
+    @endpoint(concurrent=True)
+    async def stacks(self, pid: int, full: bool = False) -> str:
+        """The stacks of worker ``pid``, whose event loop did not answer, taken by a
+        signal (see :mod:`amesh._runtime._stackdump`)."""
+        if pid not in self.children:
+            raise LookupError(f"no worker {pid} was started by this agent")
+        return await stacks_by_signal(pid, full)
 
     async def _reap(self, pid: int, child: _Child) -> None:
         try:

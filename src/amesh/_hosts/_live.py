@@ -16,14 +16,25 @@ from .._actor_mesh import ActorMesh
 from .._mesh._registry import read_all
 from .._proc_agent import AGENT_KEY, CONTROLLER_KEY, ControllerAgent, ProcAgent
 from .._runtime._runtime import open_runtime
+from .._runtime._stackdump import DUMP_TIMEOUT, LOOP_TIMEOUT
 from .._shape import Shape
 from .._transport import open_transport
 from .._transport._auth import adopt_key
 
-__all__ = ["ASK_TIMEOUT", "ask", "describe_live", "find", "live_meshes", "recent_logs"]
+__all__ = [
+    "ASK_TIMEOUT",
+    "ask",
+    "describe_live",
+    "find",
+    "live_meshes",
+    "recent_logs",
+    "stacks",
+]
 
-#: Seconds a worker has to answer ``amesh list`` or ``amesh stacks``.
-ASK_TIMEOUT = 5.0
+#: Seconds a worker has to answer ``amesh list`` or ``amesh stacks``: a rank whose
+#: event loop does not answer by then is busy (``amesh stacks`` takes its stacks by a
+#: signal then).
+ASK_TIMEOUT = LOOP_TIMEOUT
 
 
 def _transport_for(mesh: dict[str, Any]) -> Any:
@@ -36,13 +47,14 @@ def _transport_for(mesh: dict[str, Any]) -> Any:
 
 
 async def ask(
-    key: str, mesh: dict[str, Any], method: str, ranks: list[int] | None = None
+    key: str, mesh: dict[str, Any], method: str, ranks: list[int] | None = None, *args: Any
 ) -> list[Any]:
-    """Call ``method`` of the system actor of each of ``ranks`` (default: all) of
-    ``mesh`` (a registry entry), with the controller's ``key`` (hex).
+    """Call ``method`` (with ``args``) of the system actor of each of ``ranks``
+    (default: all) of ``mesh`` (a registry entry), with the controller's ``key`` (hex).
 
     Returns:
-        Per rank asked, the answer, or ``{"error": why}`` if there was none.
+        Per rank asked, the answer, or ``{"error": why, "busy": bool}`` if there was
+        none (``busy``: its event loop did not answer within :data:`ASK_TIMEOUT`).
     """
     adopt_key(bytes.fromhex(key))
     addrs: list[str] = mesh["addrs"]
@@ -52,14 +64,48 @@ async def ask(
     async def one(i: int, rank: int) -> None:
         agent = ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, Shape(["procs"], [1], [rank]), addrs)
         try:
-            answers[i] = await getattr(agent, method).options(timeout=ASK_TIMEOUT).call_one()
-        except Exception as exc:  # a dead or busy worker: say so, go on with the others
-            answers[i] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            ep = getattr(agent, method).options(timeout=ASK_TIMEOUT)
+            answers[i] = await ep.call_one(*args)
+        except TimeoutError:
+            why = f"busy: its event loop did not answer within {ASK_TIMEOUT:g} s"
+            answers[i] = {"error": why, "busy": True}
+        except Exception as exc:  # a dead worker: say so, go on with the others
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            answers[i] = {"error": why, "busy": False}
 
     async with open_runtime(lambda: _transport_for(mesh)), anyio.create_task_group() as tg:
         for i, rank in enumerate(ranks):
             tg.start_soon(one, i, rank)
     return answers
+
+
+async def stacks(key: str, mesh: dict[str, Any], ranks: list[int], full: bool) -> list[str]:
+    """The stacks of ``ranks`` of ``mesh`` (a registry entry): each worker's answer,
+    else (its event loop is busy) taken by a signal by its controller."""
+    texts = await ask(key, mesh, "stacks", ranks, full)
+    busy = [i for i, t in enumerate(texts) if isinstance(t, dict) and t["busy"]]
+    if busy:
+        controller = ActorMesh(
+            CONTROLLER_KEY,
+            CONTROLLER_KEY,
+            ControllerAgent,
+            Shape(["procs"], [1]),
+            [mesh["controller"]],
+        )
+
+        async def one(i: int) -> None:
+            try:
+                texts[i] = await controller.stacks.options(
+                    timeout=DUMP_TIMEOUT + ASK_TIMEOUT
+                ).call_one(mesh["name"], ranks[i], full)
+            except Exception as exc:  # the controller is busy or gone too
+                why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                texts[i] = f"({texts[i]['error']}; and its controller did not take them: {why})\n"
+
+        async with open_runtime(lambda: _transport_for(mesh)), anyio.create_task_group() as tg:
+            for i in busy:
+                tg.start_soon(one, i)
+    return [t["error"] if isinstance(t, dict) else t for t in texts]
 
 
 async def live_meshes() -> list[dict[str, Any]]:
@@ -109,7 +155,11 @@ def describe_live(mesh: dict[str, Any]) -> str:
     lines.append("  actor meshes: " + (", ".join(mesh["actors"]) or "none"))
     for rank, (pid, status) in enumerate(zip(mesh["pids"], mesh["ranks"])):
         if "error" in status:
-            lines.append(f"  {rank}: pid {pid}  no answer: {status['error']}")
+            if status.get("busy"):
+                where = f"`amesh stacks {mesh['name']} {rank}` shows where"
+                lines.append(f"  {rank}: pid {pid}  {status['error']}; {where}")
+            else:
+                lines.append(f"  {rank}: pid {pid}  no answer: {status['error']}")
             continue
         actors = status["actors"]
         queued = sum(a["queued"] for a in actors)

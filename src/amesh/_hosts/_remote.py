@@ -121,6 +121,12 @@ class RemoteProcess:
 
         current_runtime().start_soon(send)
 
+    async def stacks_by_signal(self, full: bool = False) -> str:
+        """Its stacks, taken by its host agent without its event loop (see
+        :meth:`HostAgent.stacks <amesh._hosts._agent.HostAgent.stacks>`)."""
+        text: str = await self._agent.stacks.call_one(self.pid, full)
+        return text
+
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 

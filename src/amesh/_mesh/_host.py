@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+from .._runtime._stackdump import stacks_by_signal
+
 if TYPE_CHECKING:
     from .._runtime._runtime import Runtime
 
@@ -90,6 +92,18 @@ class ProcHandle:
     def exit_cause(self) -> str:
         """How it ended (see :func:`exit_cause`)."""
         return exit_cause(self.process)
+
+    async def stacks_by_signal(self, full: bool = False) -> str:
+        """Its stacks, taken without its event loop (which did not answer): here for a
+        process on this machine, else by its host (the process's ``stacks_by_signal``,
+        a host agent's); see :mod:`amesh._runtime._stackdump`."""
+        if self.local:
+            return await stacks_by_signal(self.pid, full)
+        remote = getattr(self.process, "stacks_by_signal", None)
+        if remote is None:
+            return f"(its event loop did not answer, and its host {self.host} takes no stacks)\n"
+        text: str = await remote(full)
+        return text
 
     async def stop(self, grace: float) -> None:
         """Wait ``grace`` seconds for a requested exit, then terminate, then kill."""
