@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import linecache
 import os
+import signal
 import subprocess
 import sys
 import threading
 import traceback
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from amesh._runtime._runtime import current_runtime
 from amesh._tracebacks import format_traceback
 
 from .actors import Counter
+from .test_agent import gone
 
 AMESH_DIR = str(Path(amesh.__file__).parent)
 
@@ -342,3 +345,67 @@ def test_a_controller_prints_its_traceback_without_amesh_frames(
         # the remote part: the endpoint's own frame only
         frames = 3 if how == "run" else 2  # (and here: the script, and main under run)
         assert err.count(f'  File "{script}", line ') == frames, err
+
+
+CTRL_C = """
+import os, sys
+import anyio
+import amesh
+from amesh import Actor, endpoint
+
+class Waiter(Actor):
+    @endpoint
+    async def wait(self) -> None:
+        await anyio.sleep_forever()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+async def main():
+    async with amesh.ProcMesh({"procs": 2}) as procs:
+        waiters = await procs.spawn("waiters", Waiter)
+        print(*(await waiters.pid.call()).values(), flush=True)
+        await waiters.wait.call()
+
+amesh.run(main, backend=sys.argv[1])
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+async def test_ctrl_c_under_amesh_run_says_keyboardinterrupt_and_stops_the_mesh(
+    tmp_path: Path, backend: str
+) -> None:
+    """SIGINT to the controller's process group, as Ctrl-C sends it, while a call
+    waits: the meshes stop and Python's own four lines are printed (it was 63 lines of
+    the body's cancellation and amesh's frames)."""
+    script = tmp_path / "controller.py"
+    script.write_text(CTRL_C)
+    with anyio.fail_after(60):
+        async with await anyio.open_process(
+            [sys.executable, str(script), backend], start_new_session=True
+        ) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            first = b""
+            while not first.endswith(b"\n"):
+                first += await proc.stdout.receive()
+            pids = [int(p) for p in first.split()]
+            assert len(pids) == 2
+            os.killpg(proc.pid, signal.SIGINT)
+            err = b""
+            with suppress(anyio.EndOfStream):
+                while True:
+                    err += await proc.stderr.receive()
+            await proc.wait()
+        for pid in pids:
+            await gone(pid)
+    text = err.decode()
+    assert proc.returncode == -signal.SIGINT, text
+    assert text.splitlines() == [
+        "Traceback (most recent call last):",
+        f'  File "{script}", line 22, in <module>',
+        "    amesh.run(main, backend=sys.argv[1])",
+        "KeyboardInterrupt",
+    ], text

@@ -34,4 +34,9 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str | None = Non
         async with open_runtime(lambda: open_transport(scheme, host=host)):
             return await main(*args)
 
-    return anyio.run(root, backend=backend, backend_options=loop_options(backend))
+    try:
+        return anyio.run(root, backend=backend, backend_options=loop_options(backend))
+    except KeyboardInterrupt:
+        # Ctrl-C: the meshes are stopped. Where the signal landed (trio) and the
+        # body's cancellation it caused (asyncio) say nothing to who pressed it.
+        raise KeyboardInterrupt from None
