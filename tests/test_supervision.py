@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -92,6 +93,31 @@ async def test_later_calls_to_a_dead_rank_fail_at_once_and_others_work() -> None
             assert [c for _, c in ok.values()] == [1, 1]
             assert await m.bump.choose() != 1  # choose skips the dead rank
         assert [f.rank for f in failures] == [1]
+
+
+async def test_a_failure_is_logged_once_and_only_when_unhandled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 36, item 19: `supervision failure:` was logged when supervise= handled the
+    failure too."""
+    caplog.set_level(logging.ERROR, logger="amesh.mesh")
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "supervision failure" in r.getMessage()]
+
+    handled = anyio.Event()
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 2}, supervise=lambda f: handled.set() or True) as p:
+            os.kill(p.pids[1], signal.SIGKILL)
+            await handled.wait()
+        assert logged() == []
+        with pytest.raises(SupervisionError):
+            async with ProcMesh(per_host={"procs": 2}) as p:
+                os.kill(p.pids[1], signal.SIGKILL)
+                await anyio.sleep_forever()  # until the failure cancels the block
+        (line,) = logged()
+        assert line.startswith("supervision failure: ProcMesh {'procs': 2} rank 1 ")
+        assert line.endswith("was killed by SIGKILL"), line
 
 
 async def test_supervision_messages_name_the_mesh_rank() -> None:

@@ -174,7 +174,6 @@ class MeshSupervisor:
         # every process that may be calling it hears of it (Died notices)
         st.runtime.peer_failed(handle.addr, failure, announce=True)
         st.runtime.peers.unwatch(handle.addr)
-        log.error("supervision failure: %s", failure)
         if slots is not None:
             st.tg.start_soon(self.restart, st, slots, failure)
         else:
@@ -194,7 +193,6 @@ class MeshSupervisor:
         failure = Failure(
             mesh=f"actor {name!r}", rank=report.rank, pid=report.pid, cause=report.cause
         )
-        log.error("supervision failure: %s", failure)
         st.tg.start_soon(self.escalate, st, failure)
 
     async def escalate(self, st: MeshState, failure: Failure) -> None:
@@ -216,6 +214,10 @@ class MeshSupervisor:
             st.handled.append(failure)
             return
         st.unhandled.append(failure)
+        # logged once, and only here: not when supervise= handled it, nor when the
+        # session prints it (a mesh of no owner, outside any ``async with``)
+        if self._scoped or self._owner is not None or st.runtime.on_root_failure is None:
+            log.error("supervision failure: %s", failure)
         if self._scoped:
             st.tg.cancel_scope.cancel()
         elif self._owner is not None:
