@@ -200,6 +200,31 @@ def test_a_breakpoint_is_debugged_at_the_controller(controller: Start) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_next_past_the_return_ends_the_session(controller: Start) -> None:
+    """``n`` over the endpoint's last lines and past its return leaves the debugger,
+    as the handler ends: amesh's frames (the greenlet that drove the coroutine, its
+    StopIteration) are not stepped into."""
+    child = controller("1", "debug")
+    pids = _worker_pids(child)
+    child.expect(PROMPT)
+    for _ in range(5):  # (y = ..., return y, past it)
+        child.sendline("n")
+        if child.expect([PROMPT, r"amesh: the handler ended"]) == 1:
+            break
+    else:
+        raise AssertionError("still in the debugger after 5 'n'")
+    seen = child.before
+    child.expect(pexpect.EOF)
+    seen += child.before
+    child.close()
+    assert child.exitstatus == 0
+    assert "result: [43, 43]" in seen
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
+    assert "StopIteration" not in seen and "_pausable.py" not in seen, seen
+
+
+@pytest.mark.timeout(120)
 def test_ranks_paused_at_once_are_listed_and_one_is_chosen(controller: Start) -> None:
     child = controller("0,1", "debug-on-enter")
     pids = _worker_pids(child)

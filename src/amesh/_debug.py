@@ -58,10 +58,11 @@ import anyio
 from anyio.from_thread import run as run_on_loop
 from anyio.lowlevel import EventLoopToken, current_token
 
-from ._config import take_internal
+from ._config import settings, take_internal
 from ._runtime._context import call_context
 from ._runtime._pausable import debugged_here, paused_outside, wait_off_loop
 from ._runtime._session import bridged
+from ._tracebacks import RUNNERS
 from ._transport._auth import (
     HANDSHAKE_TIMEOUT,
     Gate,
@@ -544,9 +545,24 @@ class _RemotePdb(pdb.Pdb):
 
     def __init__(self, channel: _Channel) -> None:
         io = cast("IO[str]", channel)  # what pdb uses of a file, no more
-        super().__init__(stdin=io, stdout=io, nosigint=True, readrc=False)
+        # Stepping never stops in amesh's frames (nor those of the loop and threads it
+        # runs handlers with): `n` past an endpoint's return would show the greenlet
+        # that drove its coroutine, and its StopIteration. AMESH_DEBUG=1 shows all.
+        skip = (
+            None
+            if settings().debug
+            else [f"{m}{t}" for m in ("amesh", *RUNNERS) for t in ("", ".*")]
+        )
+        super().__init__(stdin=io, stdout=io, skip=skip, nosigint=True, readrc=False)
         self._channel = channel
         self.prompt = "(Pdb) "
+
+    def user_exception(self, frame: FrameType, exc_info: Any) -> None:
+        # bdb stops at the StopIteration of a coroutine stepped past its return in the
+        # frame that drove it, even a skipped one (amesh's greenlet): not there
+        if self.skip and self.is_skipped_module(frame.f_globals.get("__name__", "")):
+            return
+        super().user_exception(frame, exc_info)
 
     def _leave(self) -> bool:
         # the session ends with the connection: breakpoints set in it cannot stop again

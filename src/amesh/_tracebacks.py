@@ -18,13 +18,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-__all__ = ["cell_names", "format_traceback", "hide_amesh_frames", "user_frames"]
+__all__ = ["RUNNERS", "cell_names", "format_traceback", "hide_amesh_frames", "user_frames"]
 
 #: Frames of files under this directory are amesh's own.
 AMESH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: The libraries amesh runs the user's code through (event loops, worker threads,
 #: futures): their frames right after amesh's (or first in a stack) are amesh's work.
-_RUNNERS = ("anyio", "asyncio", "concurrent", "outcome", "trio", "uvloop")
+RUNNERS = ("anyio", "asyncio", "concurrent", "outcome", "trio", "uvloop")
 
 _FILE_LINE = re.compile(r'^(\s*)File "([^"]+)", line (\d+)', re.MULTILINE)
 
@@ -40,7 +40,7 @@ def _hidden(filenames: list[str]) -> list[bool]:
     own, and those of a library it runs things through that come first or right after
     one hidden (a user's own call into asyncio stays)."""
     # (uvloop's compiled frames name their source relative to the package: uvloop/...)
-    runners = (*filter(None, map(_package_dir, _RUNNERS)), *(f"{r}/" for r in _RUNNERS))
+    runners = (*filter(None, map(_package_dir, RUNNERS)), *(f"{r}/" for r in RUNNERS))
     hidden: list[bool] = []
     for name in filenames:
         after = not hidden or hidden[-1]

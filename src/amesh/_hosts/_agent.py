@@ -369,6 +369,13 @@ class HostAgent(Actor):
                     rt.peers.unwatch(owner)
                     self._stop_workers_of(owner, f"no lease for {now - last:.1f} s")
                     self._changed()
+                    # A controller on this host that was killed left its segments (its
+                    # workers' go as each is reaped); remove whatever dead processes left.
+                    removed = _codec.sweep_segments()
+                    if removed:
+                        log.warning(
+                            "removed %d shared-memory segment(s) of ended processes", removed
+                        )
 
     def _stop_workers_of(self, owner: str, why: str) -> None:
         mine = [
