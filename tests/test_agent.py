@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 import amesh
-from amesh import SupervisionError
+from amesh import SupervisionError, _codec
 from amesh._hosts._remote import LEASE_PERIOD, lease_period
 from amesh._limits import TASKS_PER_PROCESS
 from amesh._runtime._runtime import open_runtime
@@ -33,6 +33,7 @@ from amesh._transport._tags import dial_part, tag_of
 from amesh.testing._leaks import child_pids
 
 from .actors import Counter
+from .test_shm_debris import job_segments
 from .test_spawn import _pids_hierarchy, _remove_groups, cmdline_of, in_group
 
 pytestmark = pytest.mark.anyio
@@ -362,11 +363,14 @@ async def test_losing_an_agent_fails_the_ranks_of_its_host(tmp_path: Path) -> No
 
 _CONTROLLER = """
 import os, sys, amesh
+from amesh import _codec
 
 async def main():
     hosts = await amesh.attach([sys.argv[1]], key_file=sys.argv[2])
     procs = await hosts.spawn_procs({"gpus": 2})
-    print(*procs.pids, flush=True)
+    held = _codec.dumps(bytes(2 << 20), shm=True)  # a segment nobody loads
+    assert held.segments
+    print(_codec.job_id(), *procs.pids, flush=True)
     sys.stdin.read()  # until killed
 
 amesh.run(main)
@@ -374,8 +378,9 @@ amesh.run(main)
 
 
 async def test_workers_do_not_outlive_their_controller(tmp_path: Path) -> None:
-    """A controller SIGKILLed: its agent stops its workers after the grace period, and
-    exits cleanly on SIGTERM."""
+    """A controller SIGKILLed: its agent stops its workers after the grace period,
+    removes the shared-memory segment the controller held, and exits cleanly on
+    SIGTERM."""
     key = tmp_path / "key"
     made = await anyio.run_process([sys.executable, "-m", "amesh", "keygen", str(key)])
     assert made.returncode == 0
@@ -392,13 +397,16 @@ async def test_workers_do_not_outlive_their_controller(tmp_path: Path) -> None:
             try:
                 assert ctl.stdout is not None
                 line = await anyio.to_thread.run_sync(ctl.stdout.readline)
-                pids = [int(p) for p in line.split()]
+                job, *pids = line.split()
                 assert len(pids) == 2
                 for pid in pids:
-                    assert agent.proc.pid in ancestors(pid)
+                    assert agent.proc.pid in ancestors(int(pid))
+                assert job_segments(_codec.shm_dir(), job)
                 ctl.kill()
                 for pid in pids:
-                    await gone(pid)
+                    await gone(int(pid))
+                await agent.logged("shared-memory segment(s) of ended processes")
+                assert job_segments(_codec.shm_dir(), job) == set()
             finally:
                 ctl.kill()
                 ctl.wait(10)

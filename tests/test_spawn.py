@@ -162,10 +162,11 @@ def _descriptors(_: object) -> dict[int, str]:
 
 
 async def test_a_forked_worker_holds_none_of_the_zygotes_descriptors() -> None:
-    """Its control socket, a pidfd for each worker it forked before, and the other
-    requests' stdout and stderr stay in the zygote; only the lifeline (stdin) and the
-    worker's own stdout and stderr come along. (24 workers first: their pidfds take
-    numbers above the control socket's, and the next requests' higher still.)"""
+    """Its control socket, a pidfd of the controller and one for each worker it forked
+    before, and the other requests' stdout and stderr stay in the zygote; only the
+    lifeline (stdin) and the worker's own stdout and stderr come along. (24 workers
+    first: their pidfds take numbers above the control socket's, and the next requests'
+    higher still.)"""
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 24}) as first:
             zygote = (await facts(first))[0]["ppid"]
@@ -176,7 +177,7 @@ async def test_a_forked_worker_holds_none_of_the_zygotes_descriptors() -> None:
                 for fd in os.listdir(f"/proc/{zygote}/fd"):
                     theirs[int(fd)] = os.readlink(f"/proc/{zygote}/fd/{fd}")
     mine = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)}
-    assert list(theirs.values()).count("anon_inode:[pidfd]") == 27
+    assert list(theirs.values()).count("anon_inode:[pidfd]") == 27 + 1  # (+ the controller)
     sockets = {t for fd, t in theirs.items() if fd > 2 and t.startswith("socket:")}
     assert sockets, "the zygote's control socket"
     # the pipe libuv keeps once the rehearsal's loop ran: each child has one of its own

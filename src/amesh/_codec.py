@@ -29,11 +29,12 @@ the process that made it, and goes earlier when its message is abandoned:
 - its sender abandons the message (the call timed out, was cancelled or failed
   before the receiver loaded it): :func:`release_payload`.
 - its maker exits: :func:`release_segments` (at runtime close and atexit).
-- its maker is killed: whoever saw it die calls :func:`remove_segments_of`; a killed
-  controller's workers die with it, so nobody is left for them: every ProcMesh start
-  (of any job) calls :func:`sweep_segments`, which removes the segments of every
-  process that has ended (the old ``amesh-<pid>-<n>-<random>`` ones too, where that
-  pid is free).
+- its maker is killed: whoever saw it die calls :func:`remove_segments_of`. A killed
+  controller's workers die with it; its zygote (which outlives it to reap them) and
+  its host agents (once its lease has run out) call :func:`sweep_segments`, which
+  removes the segments of every process that has ended (the old
+  ``amesh-<pid>-<n>-<random>`` ones too, where that pid is free). Every ProcMesh
+  start (of any job) calls it too, for what nobody was left to remove.
 
 How large ``bytes`` and shared-memory buffers get out of the stream: the pickler writes
 any buffer of 64 KiB or more (``bytes``, or a ``PickleBuffer`` that the buffer callback

@@ -35,9 +35,16 @@ kill racing with the exit (even once the pid was reaped and reused) reaches noth
 Dying together:
 
 - The zygote's stdin is a pipe whose write end only the controller holds (its
-  lifeline). The zygote exits when that pipe or the control socket closes, and asks
-  for SIGKILL at its parent's death (PR_SET_PDEATHSIG) when the controller started it
-  from a thread that lives as long as the process (its main thread).
+  lifeline). The zygote exits when that pipe or the control socket closes, or when a
+  pidfd of the controller says it ended. A controller that stops the zygote says so
+  first (:data:`_BYE`); one that was killed cannot, and cannot remove its
+  shared-memory segments either (results it held, calls in flight, its pool): the
+  zygote kills and reaps its workers, waits (at most :data:`DEATH_WAIT`) until the
+  controller has surely ended, and removes the segments of every process that has
+  (:func:`amesh._codec.sweep_segments`), before it exits. The signal it asks for at
+  its parent's death (PR_SET_PDEATHSIG) is SIGCONT, not SIGKILL, which would kill it
+  before that: it only wakes a stopped zygote (SIGSTOP, a terminal's Ctrl-Z) to do the
+  same, and does nothing where the thread that started it ends before the process.
 - Each worker keeps that lifeline as its stdin and exits at EOF (the worker's usual
   stdin watch), so workers die with the controller even if the zygote died first. They
   also ask for SIGKILL at the zygote's death (it forks from its only thread): a zygote
@@ -80,6 +87,7 @@ try:
     from .. import _ext
 except ImportError:  # not built (not Linux): no zygote runs anyway
     _ext = None  # type: ignore[assignment]
+from .. import _codec
 from .._bootstrap import Bootstrap
 from .._config import VARIABLES, loop_options, settings, take_internal
 from .._config import reset as reset_settings
@@ -105,6 +113,13 @@ log = logging.getLogger("amesh.hosts")
 #: How long the zygote may take to import everything, and to exit when asked.
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 5.0
+#: How long a zygote whose controller went without a word waits for it to have surely
+#: ended before it removes the controller's segments: a dying process closes its
+#: descriptors (which wakes the zygote) a moment before it becomes a zombie.
+DEATH_WAIT = 2.0
+#: What a controller sends before it closes its end of the control socket to stop
+#: the zygote (never a valid request, which is msgpack).
+_BYE = b"bye"
 
 _BOOT_VAR = "AMESH_ZYGOTE_BOOT"
 #: Read when an interpreter or the dynamic loader starts: a fork cannot change them.
@@ -131,7 +146,6 @@ _PRELOAD_NNG = "amesh._transport._ext"
 class _Boot(msgspec.Struct, frozen=True):
     controller_pid: int
     ctl_fd: int
-    pdeathsig: bool
     sys_path: list[str]
 
 
@@ -327,11 +341,8 @@ class Zygote:
             ZygoteError: it exited or did not report in time.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # The kernel's parent-death signal follows the thread that forked: only ask for
-        # it when that is the main thread. Hence Popen here, on the event loop's thread
-        # (a vfork and exec: a millisecond), not in a worker thread as open_process would.
-        pdeathsig = threading.current_thread() is threading.main_thread()
-        boot = _Boot(os.getpid(), theirs.fileno(), pdeathsig, list(sys.path))
+        # Popen here, on the event loop's thread (a vfork and exec: a millisecond).
+        boot = _Boot(os.getpid(), theirs.fileno(), list(sys.path))
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
@@ -485,6 +496,10 @@ class Zygote:
         for proc in self._live.values():
             proc.kill()
         try:
+            self._sock.send(_BYE)  # (not a death: nothing of ours for the zygote to remove)
+        except OSError:  # full or gone: the zygote waits DEATH_WAIT for our end, no more
+            pass
+        try:
             self._sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
@@ -539,18 +554,23 @@ def _threads() -> int:
 class _Server:
     """The zygote's loop: fork a child per request until the controller goes."""
 
-    def __init__(self, ctl: socket.socket) -> None:
+    def __init__(self, ctl: socket.socket, controller: int) -> None:
         self.ctl = ctl
+        #: a pidfd of the controller: readable once it ended
+        self.controller = controller
+        #: whether the controller said it stops us (see _BYE)
+        self.bye = False
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.poller = select.poll()
         self.poller.register(ctl, select.POLLIN)
         self.poller.register(0, select.POLLIN)  # the lifeline: any event means it closed
+        self.poller.register(controller, select.POLLIN)
         #: whether this process holds a base environment (see Spawn)
         self.based = False
         #: the requests read and not yet forked
         self.batch: list[tuple[Spawn | None, list[int]]] = []
         #: no descriptor of this process is above this one (a child closes up to it)
-        self.top = ctl.fileno()
+        self.top = max(ctl.fileno(), controller)
 
     def serve(self) -> Spawn | None:
         """None in the zygote when it should exit, and the request in each child.
@@ -562,12 +582,12 @@ class _Server:
         _send(ctl, Hello(os.getpid(), _threads()))
         while True:
             for fd, _ in self.poller.poll():
-                if fd == 0:
-                    _shutdown(ctl, self.children)
+                if fd in (0, self.controller):
+                    self._shutdown()
                     return None
                 if fd == ctl.fileno():
                     if not self._take():  # the controller is gone: fork nothing more
-                        _shutdown(ctl, self.children)
+                        self._shutdown()
                         return None
                     if (req := self._fork_all()) is not None:
                         return req
@@ -592,7 +612,8 @@ class _Server:
                 return True
             except OSError:
                 return False
-            if not data:
+            if not data or data == _BYE:
+                self.bye = self.bye or data == _BYE
                 return False
             if flags & socket.MSG_CTRUNC:
                 for fd in fds:
@@ -605,6 +626,34 @@ class _Server:
             except msgspec.DecodeError:  # cannot happen: requests are under _MAX_REQUEST
                 batch.append((None, fds))
         return True
+
+    def _shutdown(self) -> None:
+        """Kill the children still running, reap and report them, and close; then, if
+        the controller went without a word (killed), remove what it and they left in
+        shared memory, once it surely ended."""
+        bye = self._heard_bye()
+        _shutdown(self.ctl, self.children)
+        if not bye:
+            select.select([self.controller], [], [], DEATH_WAIT)
+            removed = _codec.sweep_segments()
+            if removed:
+                log.info("removed %d shared-memory segment(s) of a killed job", removed)
+        os.close(self.controller)
+
+    def _heard_bye(self) -> bool:
+        """Whether the controller said it stops us: its :data:`_BYE` may wait behind
+        requests (dropped: nothing more is forked) when the lifeline's end woke us."""
+        while not self.bye:
+            try:
+                data, fds, _ = _recv(self.ctl, _MAX_REQUEST, 2, socket.MSG_DONTWAIT)
+            except OSError:  # nothing more (BlockingIOError), or gone
+                break
+            for fd in fds:
+                os.close(fd)
+            if not data:
+                break
+            self.bye = data == _BYE
+        return self.bye
 
     def _fork_all(self) -> Spawn | None:
         """Fork the child of each request of ``batch``; its request in each child, None
@@ -1111,8 +1160,11 @@ def main() -> None:
     boot = msgspec.json.decode(take_internal(_BOOT_VAR), type=_Boot)
     # Ctrl-C reaches the whole process group; the controller decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if boot.pdeathsig:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0)
+    try:
+        controller = os.pidfd_open(boot.controller_pid)
+    except ProcessLookupError:
+        os._exit(1)
     if os.getppid() != boot.controller_pid:  # the controller died before we could watch
         os._exit(1)
     sys.path[:] = boot.sys_path
@@ -1128,7 +1180,7 @@ def main() -> None:
     # 1,684 -> 1,612 page faults a worker, from start to its first answer, on 3.11;
     # on 3.13, with an immortal heap, keeping it cost +56.
     sys._clear_type_cache()
-    server = _Server(ctl)
+    server = _Server(ctl, controller)
     req = server.serve()
     if req is None:
         return
