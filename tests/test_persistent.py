@@ -71,6 +71,7 @@ def _agent_pid(home: Path) -> int | None:
 
 _CONTROLLER = """
 import os, signal, sys
+import anyio
 import amesh
 import amesh.testing
 from tests.actors import Counter
@@ -82,6 +83,7 @@ async def main():
     await counters.slice(procs=1).incr.call_one(2)
     scratch = await amesh.ProcMesh({"procs": 1})
     print(" ".join(map(str, procs.pids)), scratch.pids[0], flush=True)
+    await anyio.sleep(float(sys.argv[2]))  # holds the mesh (its heartbeats) this long
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -89,11 +91,14 @@ amesh.run(main)
 """
 
 
-async def _controller(how: str) -> tuple[list[int], int]:
+async def _controller(how: str, hold: float = 0.0) -> tuple[list[int], int]:
     """Run a controller that makes persistent mesh ``train`` (with actor mesh
-    ``counters`` at 5 and 7) and a scratch mesh, then is SIGKILLed (``kill``) or
-    returns (``return``): (pids of ``train``, pid of the scratch process)."""
-    out = await anyio.run_process([sys.executable, "-c", _CONTROLLER, how], cwd=ROOT, check=False)
+    ``counters`` at 5 and 7) and a scratch mesh, holds them ``hold`` seconds, then is
+    SIGKILLed (``kill``) or returns (``return``): (pids of ``train``, pid of the
+    scratch process)."""
+    out = await anyio.run_process(
+        [sys.executable, "-c", _CONTROLLER, how, str(hold)], cwd=ROOT, check=False
+    )
     expected = -signal.SIGKILL if how == "kill" else 0
     assert out.returncode == expected, out.stderr.decode()
     *pids, scratch = (int(p) for p in out.stdout.split())
@@ -169,6 +174,37 @@ async def test_a_controller_that_returns_lets_go_and_amesh_stop_ends_it(state: P
         assert out.returncode == 1 and b"no persistent mesh named 'train'" in out.stderr
 
 
+#: the heartbeat period of the meshes held for several periods: short, so that several
+#: pass in a second or two
+_PERIOD = 0.1
+#: how long a controller holds its mesh, and how long the mesh then runs without one
+_HOLD = 10 * _PERIOD
+
+
+@pytest.mark.parametrize("how", ["kill", "return"])
+async def test_a_persistent_mesh_runs_on_for_periods_without_a_controller(
+    state: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A controller that held its persistent mesh for several heartbeat periods, then
+    was SIGKILLed or returned: the mesh runs on without one for several periods more,
+    then another controller takes it over and finds its actors' state (its workers
+    used to exit 1 once their heartbeat connection, up longer than a period, ended)."""
+    monkeypatch.setenv("AMESH_HEARTBEAT_PERIOD", str(_PERIOD))
+    with anyio.fail_after(120):
+        pids, scratch = await _controller(how, hold=_HOLD)
+        await gone(scratch)
+        await anyio.sleep(_HOLD)  # nobody holds it: its workers try to reconnect
+        assert all(_alive(p) for p in pids), await _amesh("list")
+        async with open_runtime(lambda: open_transport("abstract")):
+            procs = await amesh.attach_mesh("train")
+            assert procs.pids == pids
+            counters = await procs.actor_mesh("counters")
+            assert list((await counters.incr.call()).values()) == [6, 8]
+            await procs.stop()
+        for pid in pids:
+            await gone(pid)
+
+
 async def test_a_persistent_mesh_dead_while_nobody_held_it_fails_on_take_over(
     state: Path,
 ) -> None:
@@ -201,6 +237,7 @@ async def test_a_persistent_mesh_dead_while_nobody_held_it_fails_on_take_over(
 
 _REMOTE_CONTROLLER = """
 import os, signal, sys
+import anyio
 import amesh
 import amesh.testing
 from tests.actors import Counter
@@ -211,10 +248,29 @@ async def main():
     counters = await procs.spawn("counters", Counter)
     await counters.incr.call(4)
     print(" ".join(map(str, procs.pids)), flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    await anyio.sleep(float(sys.argv[4]))  # holds the mesh (its heartbeats) this long
+    if sys.argv[3] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 amesh.run(main)
 """
+
+
+async def _remote_controller(addrs: str, key: Path, how: str, hold: float = 0.0) -> list[int]:
+    """Run a controller that makes persistent mesh ``far`` over the agents at ``addrs``
+    (actor mesh ``counters`` at 4), holds it ``hold`` seconds, then is SIGKILLed
+    (``kill``) or returns (``return``): the pids of ``far``."""
+    out = await anyio.run_process(
+        [sys.executable, "-c", _REMOTE_CONTROLLER, addrs, str(key), how, str(hold)],
+        cwd=ROOT,
+        check=False,
+        env={**os.environ, "AMESH_TRANSPORT": "tcp", "AMESH_KEY_FILE": str(key)},
+    )
+    expected = -signal.SIGKILL if how == "kill" else 0
+    assert out.returncode == expected, out.stderr.decode()
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 4
+    return pids
 
 
 async def test_a_persistent_mesh_on_host_agents(tmp_path: Path) -> None:
@@ -224,15 +280,7 @@ async def test_a_persistent_mesh_on_host_agents(tmp_path: Path) -> None:
     with anyio.fail_after(120):
         async with agents(key, 2, grace=0.5) as (a1, a2):
             addrs = f"{a1.addr},{a2.addr}"
-            out = await anyio.run_process(
-                [sys.executable, "-c", _REMOTE_CONTROLLER, addrs, str(key)],
-                cwd=ROOT,
-                check=False,
-                env={**os.environ, "AMESH_TRANSPORT": "tcp", "AMESH_KEY_FILE": str(key)},
-            )
-            assert out.returncode == -signal.SIGKILL, out.stderr.decode()
-            pids = [int(p) for p in out.stdout.split()]
-            assert len(pids) == 4
+            pids = await _remote_controller(addrs, key, "kill")
             for agent in (a1, a2):
                 line = await agent.logged("is gone")
                 assert "stopping its 0 worker(s), keeping 2 of persistent meshes" in line
@@ -242,6 +290,32 @@ async def test_a_persistent_mesh_on_host_agents(tmp_path: Path) -> None:
             async with open_runtime(lambda: open_transport("tcp")):
                 procs = await amesh.attach_mesh("far", hosts=[a1.addr, a2.addr], key_file=str(key))
                 assert procs.sizes == {"hosts": 2, "gpus": 2} and procs.pids == pids
+                counters = await procs.actor_mesh("counters")
+                assert list((await counters.incr.call()).values()) == [5, 5, 5, 5]
+                await procs.stop()
+            for pid in pids:
+                await gone(pid)
+
+
+@pytest.mark.parametrize("how", ["kill", "return"])
+async def test_a_persistent_mesh_on_host_agents_runs_on_for_periods_without_a_controller(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on this machine's agent: held for several heartbeat periods, its controller
+    SIGKILLed or returned, the mesh runs on under its agents for several periods more
+    and another controller finds its actors' state."""
+    monkeypatch.setenv("AMESH_HEARTBEAT_PERIOD", str(_PERIOD))
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 2, grace=0.5) as (a1, a2):
+            pids = await _remote_controller(f"{a1.addr},{a2.addr}", key, how, hold=_HOLD)
+            for agent in (a1, a2):
+                await agent.logged("keeping 2 of persistent meshes")
+            await anyio.sleep(_HOLD)  # nobody holds it: its workers try to reconnect
+            assert all(_alive(p) for p in pids), "".join(a1.log + a2.log)
+            async with open_runtime(lambda: open_transport("tcp")):
+                procs = await amesh.attach_mesh("far", hosts=[a1.addr, a2.addr], key_file=str(key))
+                assert procs.pids == pids
                 counters = await procs.actor_mesh("counters")
                 assert list((await counters.incr.call()).values()) == [5, 5, 5, 5]
                 await procs.stop()

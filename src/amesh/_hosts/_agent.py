@@ -127,7 +127,13 @@ class HostAgent(Actor):
     @endpoint(concurrent=True)
     def info(self) -> dict[str, Any]:
         """This host: its name, the agent's address and pid, CPUs, workers running, and
-        the grace it gives a controller's lease (which sets how often leases come)."""
+        the grace it gives a controller's lease (which sets how often leases come).
+
+        The caller is a controller that attaches: its leases are heard from now on, so
+        that an agent that exits when idle waits for its first worker."""
+        ctx = call_context.get()
+        if ctx is not None and ctx.sender:
+            self._watch(current_runtime(), ctx.sender)
         return {
             "hostname": socket.gethostname(),
             "addr": current_runtime().address,
@@ -388,7 +394,9 @@ class HostAgent(Actor):
             for c in self.children.values()
             if c.owner == owner and c.mesh and not c.exited.is_set()
         )
-        log.warning(
+        # (a controller that only attached, such as `amesh list`, is no news)
+        log.log(
+            logging.WARNING if mine or kept else logging.INFO,
             "controller %s is gone (%s): stopping its %d worker(s)%s",
             owner,
             why,
