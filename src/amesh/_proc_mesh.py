@@ -41,11 +41,11 @@ from . import _codec, _reload
 from ._actor import Actor
 from ._actor_mesh import ActorMesh
 from ._config import default_transport, heartbeats, settings, warn_unknown
-from ._endpoint import unpicklable
+from ._endpoint import _ranks_text, unpicklable
 from ._errors import ActorError, Failure, SupervisionError
 from ._mesh import _registry
 from ._mesh._host import Holder, Host, ProcHandle, default_host, persistent_host
-from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned
+from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned, failure_of
 from ._mesh._supervisor import MeshSupervisor
 from ._proc_agent import AGENT_KEY, ProcAgent, serve_controller
 from ._runtime._context import call_context, runtime_var
@@ -192,6 +192,8 @@ class ProcMesh(MeshView):
         self._root = True
         self._scoped = False
         self._owner: ActorInstance | None = None
+        #: how long :meth:`spawn` waits for ``__init__`` (see :meth:`options`)
+        self._spawn_timeout: float | None = None
 
     def _with_shape(self, shape: Shape) -> ProcMesh:
         view = ProcMesh.__new__(ProcMesh)
@@ -611,6 +613,27 @@ class ProcMesh(MeshView):
 
     # -- actors -------------------------------------------------------------------------
 
+    def options(self, *, timeout: float | None = None) -> ProcMesh:
+        """This mesh with options for :meth:`spawn`, as endpoints take theirs:
+        ``await procs.options(timeout=30).spawn("model", Model, path)``. (Options come
+        first so that ``__init__`` stays free to have a ``timeout`` of its own.) A
+        view of the same processes, as a slice is.
+
+        Args:
+            timeout: seconds ``spawn`` waits for every ``__init__`` to return; None
+                waits for ever. A sync ``__init__`` blocks its process and cannot be
+                interrupted: at the timeout the processes where it still runs are
+                killed (see :meth:`spawn`).
+
+        Raises:
+            ValueError: ``timeout`` is negative.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        view = self._with_shape(self._shape)
+        view._spawn_timeout = timeout
+        return view
+
     @bridged
     async def spawn(
         self,
@@ -623,7 +646,14 @@ class ProcMesh(MeshView):
     ) -> ActorMesh[A]:
         """Spawn one ``actor_class(*args, **kwargs)`` per rank of this mesh.
 
-        Returns after ``__init__`` ran on every rank.
+        Returns after ``__init__`` ran on every rank. A sync ``__init__`` blocks its
+        process (its heartbeats go on; it handles nothing else) until it returns, and
+        cannot be interrupted: bound it with ``procs.options(timeout=...)``. When the
+        timeout passes, or the spawn is cancelled, the processes where ``__init__``
+        still runs are killed and reported to supervision as failed (the ``cause``
+        says why; a ``supervise=`` handler or restart policy may take them, else the
+        failure escalates as any other), and the actor is stopped where it was
+        constructed: nothing of the actor mesh is left.
 
         With ``replace=True``, a live actor mesh of this name is stopped first (its
         ``__cleanup__`` runs) and the new one takes its place on the same processes,
@@ -648,6 +678,9 @@ class ProcMesh(MeshView):
                 ``replace`` is false).
             SupervisionError: ``__init__`` raised on some rank; its ``__cause__`` is the
                 :class:`ActorError` with the remote traceback.
+            TimeoutError: ``__init__`` did not return within the timeout given to
+                :meth:`options` on some ranks (named, with the actor mesh), whose
+                processes were killed.
         """
         st = self._live()
         policy = restart_policy(restart)
@@ -681,14 +714,24 @@ class ProcMesh(MeshView):
             hand_over = set(self._shape.slots) if hasattr(actor_class, "__reload__") else set()
             await self._stop_spawned(st, old, replaced=True, hand_over=hand_over)
         key = f"{name}-{uuid.uuid4().hex[:12]}"
+        init = f"{actor_class.__qualname__}.__init__"
         mesh = ActorMesh(name, key, actor_class, self._shape, st.addrs, self._fanout, self._group)
         mesh._owner = self
         spawned = Spawned(mesh, payload, policy)
         st.spawned[key] = spawned
         assert self._sup is not None
         st.runtime.failure_handlers[key] = self._sup.on_actor_failure
+        answered: set[int] = set()
+        timeout = self._spawn_timeout
         try:
-            await self._life.spawn_ranks(st, spawned, None)
+            with anyio.move_on_after(timeout) as deadline:
+                await self._life.spawn_ranks(st, spawned, None, answered=answered)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self._abandon_spawn(
+                    st, spawned, answered, f"its spawn was cancelled while {init} ran"
+                )
+            raise
         except ActorError as exc:
             with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_ACTORS_TIMEOUT):
                 try:
@@ -703,9 +746,50 @@ class ProcMesh(MeshView):
                 f"{actor_class.__qualname__}.__init__ failed for actor mesh {name!r}: {exc}",
                 [Failure(f"actor {name!r}", int(exc.point.get("rank", 0)), None, str(exc))],
             ) from exc
+        if deadline.cancelled_caught:
+            stuck = await self._abandon_spawn(
+                st, spawned, answered, f"{init} did not return within {timeout:g} s (spawn timeout)"
+            )
+            whose = "whose process was" if len(stuck) == 1 else "whose processes were"
+            raise TimeoutError(
+                f"spawn of actor mesh {name!r}: {init} did not return within {timeout:g} s "
+                f"on {_ranks_text(stuck, len(self._shape))}, {whose} killed (a sync "
+                "__init__ cannot be interrupted)"
+            )
         if st.publish is not None:
             await st.publish()
         return mesh
+
+    async def _abandon_spawn(
+        self, st: MeshState, sp: Spawned, answered: set[int], why: str
+    ) -> list[int]:
+        """Undo a spawn that did not finish: kill the processes where ``__init__`` still
+        runs (it cannot be interrupted), each a failure for supervision whose cause
+        says ``why``, and stop the actor where it was constructed. The ranks killed."""
+        mesh = sp.mesh
+        st.spawned.pop(mesh.key, None)
+        st.runtime.failure_handlers.pop(mesh.key, None)
+        assert self._sup is not None
+        stuck = [r for r in range(len(mesh.shape.slots)) if r not in answered]
+        for rank in stuck:
+            slot = mesh.shape.slots[rank]
+            handle = st.procs[slot]
+            if handle.failed or handle.expected_exit or handle.returncode is not None:
+                continue
+            handle.failed = True
+            handle.process.kill()
+            failure = failure_of(self._sup.label, slot, handle, f"{why}; the process was killed")
+            self._sup.proc_failed(st, slot, handle, failure)
+        built = [st.procs[mesh.shape.slots[r]] for r in sorted(answered)]
+        if built:
+            with anyio.move_on_after(STOP_ACTORS_TIMEOUT):
+                try:
+                    await self._life.agents_of(built).stop_actor.call(mesh.key)
+                except (ActorError, SupervisionError):
+                    pass
+        if st.publish is not None:
+            await st.publish()
+        return stuck
 
     async def _stop_actor_mesh(self, mesh: ActorMesh[Any]) -> None:
         st = self._live()

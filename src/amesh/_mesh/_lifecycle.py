@@ -275,9 +275,11 @@ class Lifecycle:
         sp: Spawned,
         slots: set[int] | None,
         addrs: list[str] | None = None,
+        answered: set[int] | None = None,
     ) -> None:
         """Construct the actors of ``sp`` on every rank, or on those in ``slots``
-        (at ``addrs`` by slot: restarted processes not yet published in ``st.addrs``)."""
+        (at ``addrs`` by slot: restarted processes not yet published in ``st.addrs``),
+        adding to ``answered`` each rank whose ``__init__`` returned, as it does."""
         mesh = sp.mesh
         shape = mesh.shape
         ranks = [r for r, s in enumerate(shape.slots) if slots is None or s in slots]
@@ -291,9 +293,11 @@ class Lifecycle:
             st.addrs if addrs is None else addrs,
         )
         try:
-            await agents.spawn_actor.call(
+            async for point, _ in agents.spawn_actor.stream(
                 mesh.key, mesh.name, sp.payload, owner, labels, sizes, ranks
-            )
+            ):
+                if answered is not None:
+                    answered.add(ranks[point.rank])
         except ActorError as exc:
             # name the failing rank in the actor mesh, not in the agents' view
             rank = ranks[int(exc.point.get("rank", 0))]
