@@ -14,15 +14,19 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import anyio.abc
+import anyio.streams.text
 import pytest
 
 import amesh
 import amesh.testing
 from amesh._hosts._home import local_agent_address
+from amesh._hosts._remote import local_hosts
 from amesh._runtime._runtime import open_runtime
 from amesh._transport import open_transport
 from amesh._transport._auth import job_key
@@ -233,6 +237,130 @@ async def test_a_persistent_mesh_dead_while_nobody_held_it_fails_on_take_over(
             await gone(pids[0])
         assert failures[0].rank == 1 and failures[0].pid == pids[1]
         assert failures[0].signal == signal.SIGKILL
+
+
+_HOLDER = """
+import sys
+import anyio
+import amesh
+from tests.actors import Counter
+
+async def main():
+    procs = await amesh.ProcMesh({"procs": 2}, name="held", persistent=True)
+    counters = await procs.spawn("counters", Counter)
+    await counters.incr.call(5)
+    print(" ".join(map(str, procs.pids)), flush=True)
+    # each line read: call the actors, print what came back (or the error)
+    while await anyio.to_thread.run_sync(sys.stdin.readline):
+        try:
+            print(list((await counters.incr.call()).values()), flush=True)
+        except Exception as exc:
+            print(type(exc).__name__, exc, flush=True)
+
+amesh.run(main)
+"""
+
+
+class _Holder:
+    """A controller that holds persistent mesh ``held`` (actor mesh ``counters`` at 5)
+    and calls its actors each time it is asked to (see :data:`_HOLDER`)."""
+
+    def __init__(self, proc: anyio.abc.Process) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc = proc
+        self._lines = anyio.streams.text.TextReceiveStream(proc.stdout)
+        self._buffer = ""
+
+    async def line(self) -> str:
+        while "\n" not in self._buffer:
+            self._buffer += await self._lines.receive()
+        line, self._buffer = self._buffer.split("\n", 1)
+        return line
+
+    async def calls(self) -> str:
+        """What the holder's call of its actors gave."""
+        assert self.proc.stdin is not None
+        await self.proc.stdin.send(b"call\n")
+        return await self.line()
+
+
+@asynccontextmanager
+async def _holding() -> AsyncIterator[tuple[_Holder, list[int]]]:
+    """A :class:`_Holder` and its mesh's pids; it returns at the end (its mesh runs on)."""
+    env = {**os.environ, "AMESH_HEARTBEAT_PERIOD": str(_PERIOD), "AMESH_HEARTBEAT_TIMEOUT": "1"}
+    async with await anyio.open_process(
+        [sys.executable, "-c", _HOLDER], cwd=ROOT, env=env, stderr=None
+    ) as proc:
+        holder = _Holder(proc)
+        pids = [int(p) for p in (await holder.line()).split()]
+        try:
+            yield holder, pids
+        finally:
+            assert proc.stdin is not None
+            await proc.stdin.aclose()
+            await proc.wait()
+
+
+#: longer than the holder's heartbeat timeout (1 s): a holder whose workers' heartbeats
+#: went elsewhere would have declared them silent and killed them by then
+_OVER_TIMEOUT = 15 * _PERIOD
+
+
+async def test_a_held_persistent_mesh_is_refused_to_another_controller(state: Path) -> None:
+    """A second controller cannot take over a mesh that a live controller holds: the
+    error names the holder and the way to take it anyway; the holder keeps driving
+    its workers, which are never killed (they were, once the heartbeats went to the
+    second controller and the holder declared them silent)."""
+    with anyio.fail_after(120):
+        async with _holding() as (holder, pids):
+            async with open_runtime(lambda: open_transport("abstract")):
+                with pytest.raises(RuntimeError) as refused:
+                    await amesh.attach_mesh("held")
+                # nor does its agent kill the workers for a controller that does not hold
+                # them (one they were taken from, say)
+                hosts = await local_hosts(start=False)
+                assert hosts is not None
+                await hosts._agents.kill.call_one(pids[0])
+                await anyio.sleep(_OVER_TIMEOUT)
+            message = str(refused.value)
+            assert (
+                f"persistent mesh 'held' is held by the controller pid {holder.proc.pid} on "
+                in message
+            )
+            assert "attach_mesh('held', takeover=True)" in message
+            assert await holder.calls() == "[6, 6]"
+            assert all(_alive(p) for p in pids)
+        # the holder returned: now anyone may take it over
+        async with open_runtime(lambda: open_transport("abstract")):
+            procs = await amesh.attach_mesh("held")
+            counters = await procs.actor_mesh("counters")
+            assert list((await counters.incr.call()).values()) == [7, 7]
+            await procs.stop()
+        for pid in pids:
+            await gone(pid)
+
+
+async def test_takeover_of_a_held_persistent_mesh(state: Path) -> None:
+    """``attach_mesh(takeover=True)`` takes a mesh from the controller that holds it:
+    that one lets go (its calls raise, saying who took it), and its workers run on
+    past its heartbeat timeout under their new owner, with their state."""
+    with anyio.fail_after(120):
+        async with _holding() as (holder, pids):
+            async with open_runtime(lambda: open_transport("abstract")):
+                procs = await amesh.attach_mesh("held", takeover=True)
+                counters = await procs.actor_mesh("counters")
+                assert list((await counters.incr.call()).values()) == [6, 6]
+                told = await holder.calls()
+                assert told.startswith(
+                    f"RuntimeError persistent mesh 'held' was taken over by the controller "
+                    f"pid {os.getpid()} on "
+                ), told
+                await anyio.sleep(_OVER_TIMEOUT)
+                assert list((await counters.incr.call()).values()) == [7, 7]
+                assert procs.pids == pids
+                await procs.stop()
+        for pid in pids:
+            await gone(pid)
 
 
 _REMOTE_CONTROLLER = """

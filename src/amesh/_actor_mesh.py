@@ -29,6 +29,10 @@ class MeshOwner(Protocol):
 
     def _session_failure(self) -> Exception | None: ...
 
+    @property
+    def _taken_over(self) -> str | None:
+        """Why this controller no longer drives the mesh (another took it over)."""
+
 
 class ActorMesh(MeshView, Generic[A]):
     """One actor per rank; endpoints are attributes: ``mesh.step.call(...)``.
@@ -88,7 +92,14 @@ class ActorMesh(MeshView, Generic[A]):
         await self._owner._stop_actor_mesh(self)
 
     def _targets(self) -> dict[int, str]:
-        """Rank -> the address of its process now (a restart changes it)."""
+        """Rank -> the address of its process now (a restart changes it).
+
+        Raises:
+            RuntimeError: another controller took the mesh over.
+        """
+        owner = self._owner
+        if owner is not None and owner._taken_over is not None:
+            raise RuntimeError(owner._taken_over)
         procs, slots = self._procs, self._shape.slots
         if len(slots) == 1:  # (every call_one: no comprehension to run)
             return {0: procs[slots[0]]}

@@ -202,6 +202,12 @@ class Settings:
     tls_cert: str = _setting("", "This process's certificate (chain) file, PEM.", shown="-")
     tls_key: str = _setting("", "The private key file of `AMESH_TLS_CERT`, PEM.", shown="-")
     tls_server_name: str = _setting("amesh", "The name dialers check in a listener's certificate.")
+    handshake_timeout: float = _setting(
+        5.0,
+        "Seconds a host agent gives a connection, from its accept, to finish its TLS "
+        "handshake and prove the job key; then it is closed.",
+        above=0,
+    )
     local_agent_idle: float = _setting(
         30.0,
         "Seconds the local agent lives on without workers or controllers; "

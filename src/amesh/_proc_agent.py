@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import socket
 import sys
 import weakref
 from collections.abc import Callable
@@ -192,6 +194,27 @@ class ControllerAgent(Actor):
                 text: str = await mesh._stacks_by_signal(slot, full)
                 return text
         raise LookupError(f"this controller runs no mesh named {name!r}")
+
+    @endpoint
+    def holder(self, name: str) -> str | None:
+        """Whether this controller holds persistent mesh ``name``: its pid and host
+        (how another controller's refusal names it), else None."""
+        if any(self._held(name)):
+            return f"pid {os.getpid()} on {socket.gethostname()}"
+        return None
+
+    @endpoint
+    def let_go(self, name: str, by: str) -> bool:
+        """Let go of persistent mesh ``name``: the controller ``by`` (its pid and
+        host) takes it over. Whether this controller held it."""
+        return any([mesh._let_go(by) for mesh in self._held(name)])
+
+    def _held(self, name: str) -> list[Any]:
+        return [
+            mesh
+            for mesh in list(self.meshes)
+            if mesh.name == name and mesh.persistent and mesh.listing() is not None
+        ]
 
 
 def serve_controller(rt: Any, mesh: Any) -> None:

@@ -218,9 +218,17 @@ class ProcMesh(MeshView):
                 "this ProcMesh is not running: use `async with ProcMesh(...)` or "
                 "`procs = await ProcMesh(...)`"
             )
+        if self._state.taken_over is not None:
+            raise RuntimeError(self._state.taken_over)
         if self._state.closing:
             raise RuntimeError("this ProcMesh is shutting down")
         return self._state
+
+    @property
+    def _taken_over(self) -> str | None:
+        """Why this controller let go of this persistent mesh: another took it over
+        (its actor meshes raise it, see :meth:`_let_go`); else None."""
+        return self._state.taken_over if self._state is not None else None
 
     @property
     def pids(self) -> list[int]:
@@ -511,6 +519,22 @@ class ProcMesh(MeshView):
             st.tg.cancel_scope.cancel()  # the watches of the processes
         st.closed.set()
         _registry.forget(self)
+
+    def _let_go(self, by: str) -> bool:
+        """Another controller (``by``: its pid and host) takes this persistent mesh
+        over: let go of it (its workers run on, and this controller no longer watches
+        them), and make every later use of this mesh and its actor meshes raise a
+        RuntimeError that says so. Whether this controller held it."""
+        st = self._state
+        if st is None or st.closing:
+            return False
+        st.taken_over = (
+            f"persistent mesh {self.name!r} was taken over by the controller {by} "
+            "(attach_mesh(..., takeover=True)): this controller let go of it"
+        )
+        log.warning("%s", st.taken_over)
+        self._detach()
+        return True
 
     @bridged
     async def actor_mesh(self, name: str, actor_class: type[A] | None = None) -> ActorMesh[A]:

@@ -58,6 +58,7 @@ from .._runtime._runtime import Runtime, current_runtime, open_runtime
 from .._runtime._stackdump import stacks_by_signal
 from .._transport import HybridTransport, StreamTransport, Transport, default_impl, open_tls
 from .._transport._auth import adopt_key, read_key_file
+from .._transport._guard import Limits
 from ._home import state_dir
 from ._local import launch_worker, start_zygote
 
@@ -456,9 +457,11 @@ def _listener(scheme: str, host: str, port: int) -> Transport:
     ``AMESH_TRANSPORT_IMPL`` names an NNG transport, plain streams for ``stream+tcp``."""
     if scheme == "stream+tcp":
         return StreamTransport("tcp", host=host, port=port)
+    # open to other hosts: connections that never prove themselves are shut down
+    guard = Limits(deadline=settings().handshake_timeout)
     if default_impl() == "stream":
-        return HybridTransport(host, port=port)
-    return open_tls(host, port)
+        return HybridTransport(host, port=port, guard=guard)
+    return open_tls(host, port, guard=guard)
 
 
 def address_towards(peer: str) -> str:

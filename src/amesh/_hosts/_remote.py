@@ -17,7 +17,9 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import signal
+import socket
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -27,8 +29,9 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._debug import RemoteDebugger, set_remote_debuggers
-from .._errors import SupervisionError
+from .._errors import ActorError, SupervisionError
 from .._mesh._host import Holder, ProcHandle, set_persistent_host
+from .._proc_agent import CONTROLLER_KEY, ControllerAgent
 from .._proc_mesh import ProcMesh
 from .._runtime._peers import LINK_LOST
 from .._runtime._runtime import Runtime, current_runtime
@@ -543,6 +546,60 @@ async def find_held(
     return mesh, record
 
 
+#: Seconds the controller that holds a persistent mesh has to answer whether it does
+#: (it is alive: a gone one's connection is refused at once)
+HOLDER_TIMEOUT = 5.0
+
+
+async def _take_from_holder(name: str, record: dict[str, Any], takeover: bool) -> None:
+    """Make sure that no other controller holds persistent mesh ``name`` (``record``
+    names the last one): a live holder refuses, or, with ``takeover``, lets go of it
+    (its handles raise from then on). A gone one (killed, returned) holds nothing.
+
+    Raises:
+        RuntimeError: another controller holds it (or does not answer), and not
+            ``takeover``; the message names it and what to do.
+    """
+    addr = str(record.get("controller") or "")
+    if not addr or addr == current_runtime().address:
+        return
+    holder = ActorMesh(
+        CONTROLLER_KEY,
+        CONTROLLER_KEY,
+        ControllerAgent,
+        Shape.from_sizes({"controllers": 1}),
+        [addr],
+        0,
+    )
+    held: str | None
+    try:
+        held = await holder.holder.options(timeout=HOLDER_TIMEOUT).call_one(name)
+    except (SupervisionError, LookupError, ActorError) as exc:
+        log.info("the last controller of %r, at %s, holds it no longer: %s", name, addr, exc)
+        return
+    except TimeoutError:
+        held = (
+            f"pid {record.get('controller_pid')} at {addr}, which did not answer within "
+            f"{HOLDER_TIMEOUT:g} s"
+        )
+    if held is None:
+        return
+    if not takeover:
+        raise RuntimeError(
+            f"persistent mesh {name!r} is held by the controller {held}: stop that "
+            "controller (or let it return) first, or take the mesh over from it with "
+            f"attach_mesh({name!r}, takeover=True)"
+        )
+    me = f"pid {os.getpid()} on {socket.gethostname()}"
+    try:
+        await holder.let_go.options(timeout=HOLDER_TIMEOUT).call_one(name, me)
+    except (SupervisionError, LookupError, ActorError, TimeoutError) as exc:
+        # (the agents take orders for the mesh's workers from its new owner only)
+        log.warning(
+            "taking %r over from the controller %s, which did not let go: %s", name, held, exc
+        )
+
+
 @bridged
 async def attach_mesh(
     name: str,
@@ -550,6 +607,7 @@ async def attach_mesh(
     hosts: HostMesh | Sequence[str] | None = None,
     key_file: str | None = None,
     supervise: Supervisor | None = None,
+    takeover: bool = False,
 ) -> ProcMesh:
     """Take over persistent mesh ``name``, made by another controller (which may be
     gone): its processes, with their actors and their state, as a
@@ -565,13 +623,19 @@ async def attach_mesh(
         key_file: the agents' key, with ``hosts`` given as addresses.
         supervise: as for :class:`~amesh.ProcMesh`: handles its failures from now on
             (one that happened while no controller held it is reported at once).
+        takeover: take the mesh from a controller that still holds it: that one is
+            told and lets go (its workers run on; its handles raise RuntimeError).
+            Without it, a mesh still held elsewhere is refused.
 
     Raises:
         LookupError: no such persistent mesh there.
+        RuntimeError: another controller still holds it (the message names it), and
+            not ``takeover``.
         SupervisionError: a process of the mesh is gone (it is reported the way a
             failure of a running mesh is).
     """
     mesh, record = await find_held(name, hosts, key_file)
+    await _take_from_holder(name, record, takeover)
     per_host = int(record["per_host"])
     placement = _Placement(mesh, per_host, name)
     procs = ProcMesh(

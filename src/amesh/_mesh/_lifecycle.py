@@ -70,6 +70,9 @@ class MeshState:
         self.escalation: anyio.Event | None = None
         self.closing = False
         self.closed = anyio.Event()
+        #: why this controller let go of a persistent mesh that another took over
+        #: (what its handles raise from then on), else None
+        self.taken_over: str | None = None
         self.restarting = 0
         self.restarted = anyio.Event()
         self.restarts = 0

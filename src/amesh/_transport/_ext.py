@@ -36,6 +36,7 @@ from pynng import _nng as _pynng_cffi
 from .. import _ext
 from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame, frame_size
+from ._guard import Limits
 from ._nng import Inbox, NngLinks, serve_with_sweeps
 
 __all__ = ["ExtTransport"]
@@ -75,6 +76,8 @@ class ExtTransport:
             gets a tag: see :mod:`._tags`).
         max_frame: the largest frame accepted, in bytes.
         tag: the address's tag (for a port reserved under that tag).
+        guard: the limits of connections not proven yet, for a listener open to
+            other hosts (see :mod:`._guard`); None: no guard.
     """
 
     def __init__(
@@ -85,11 +88,12 @@ class ExtTransport:
         port: int = 0,
         max_frame: int = DEFAULT_MAX_FRAME,
         tag: str = "",
+        guard: Limits | None = None,
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port, tag)
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port, tag, guard)
         self._address = self._box.address
         self._links = NngLinks(self._address)
         try:

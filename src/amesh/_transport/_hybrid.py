@@ -53,6 +53,7 @@ import anyio
 from ._auth import has_key
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
+from ._guard import Limits
 from ._stream import StreamTransport, is_stream_address
 from ._tags import listening_address, tag_of
 
@@ -111,10 +112,15 @@ def local_route(addr: str) -> str:
 
 
 def open_tls(
-    host: str, port: int = 0, max_frame: int = DEFAULT_MAX_FRAME, tag: str = ""
+    host: str,
+    port: int = 0,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    tag: str = "",
+    guard: Limits | None = None,
 ) -> Transport:
     """An NNG transport on ``tls+tcp://HOST:PORT``, tagged when the kernel picks the
-    port or ``tag`` is given (see :mod:`._tags`): the C extension's, else pynng's.
+    port or ``tag`` is given (see :mod:`._tags`): the C extension's, else pynng's;
+    its listener guarded by ``guard`` (see :mod:`._guard`) when given.
 
     Raises:
         ImportError: pynng is not installed.
@@ -124,8 +130,10 @@ def open_tls(
     except ImportError:
         from ._nng import NngTransport
 
-        return NngTransport("tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag)
-    return ExtTransport("tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag)
+        return NngTransport(
+            "tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag, guard=guard
+        )
+    return ExtTransport("tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag, guard=guard)
 
 
 def _reserve(host: str, port: int) -> tuple[socket.socket, str]:
@@ -158,6 +166,8 @@ class HybridTransport:
         host: the address to listen on for tls+tcp.
         port: the tls+tcp port to listen on (0: one the kernel picks).
         max_frame: the largest frame accepted, in bytes, by either route.
+        guard: the limits of the TLS listener's connections not proven yet (see
+            :mod:`._guard`); None: no guard.
 
     Raises:
         OSError: the port is taken.
@@ -166,10 +176,16 @@ class HybridTransport:
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", *, port: int = 0, max_frame: int = DEFAULT_MAX_FRAME
+        self,
+        host: str = "127.0.0.1",
+        *,
+        port: int = 0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        guard: Limits | None = None,
     ) -> None:
         self._host = host
         self._max_frame = max_frame
+        self._guard = guard
         self._closed = False
         self._tls: Transport | None = None
         self._streams: StreamTransport | None = None
@@ -184,7 +200,7 @@ class HybridTransport:
         self._canonical: dict[str, str] = {}
         self._lost_handler: Callable[[str, str], None] | None = None
         if has_key():
-            self._tls = open_tls(host, port, max_frame)
+            self._tls = open_tls(host, port, max_frame, guard=guard)
             self._address = self._tls.address
         else:
             self._reserved, self._address = _reserve(host, port)
@@ -237,7 +253,7 @@ class HybridTransport:
         port = reserved.getsockname()[1]
         reserved.close()
         try:
-            tls = open_tls(self._host, port, self._max_frame, tag_of(self._address))
+            tls = open_tls(self._host, port, self._max_frame, tag_of(self._address), self._guard)
             if tls.address != self._address:  # peers prove themselves to this address
                 tls.close()
                 raise RuntimeError(f"the TLS listener came up at {tls.address}")

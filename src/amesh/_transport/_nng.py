@@ -23,6 +23,7 @@ import pynng
 from ._auth import HANDSHAKE_TIMEOUT, hello
 from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame, join
+from ._guard import Limits
 from ._nng_pipes import Inbox, NngLink, fresh_address, notify_closing, tls_dialer_config
 from ._tags import dial_part
 
@@ -130,6 +131,8 @@ class NngTransport:
             gets a tag: see :mod:`._tags`).
         max_frame: the largest frame accepted, in bytes.
         tag: the address's tag (for a port reserved under that tag).
+        guard: the limits of connections not proven yet, for a listener open to
+            other hosts (see :mod:`._guard`); None: no guard.
     """
 
     def __init__(
@@ -140,11 +143,12 @@ class NngTransport:
         port: int = 0,
         max_frame: int = DEFAULT_MAX_FRAME,
         tag: str = "",
+        guard: Limits | None = None,
     ) -> None:
         self._max_frame = max_frame
         self._closed = False
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port, tag)
+        self._box = Inbox(scheme, host, max_frame, _RECV_BUFFER, port, tag, guard)
         self._address = self._box.address
         self._links = NngLinks(self._address)
 

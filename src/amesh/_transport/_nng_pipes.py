@@ -47,6 +47,7 @@ from pynng import _nng as _pynng_cffi
 
 from ._auth import HANDSHAKE_TIMEOUT, HelloCheck, Refusals, Refused, hello
 from ._base import FIRST_CONNECT_WINDOW
+from ._guard import Guard, Limits
 from ._paths import ensure_ipc_dir
 from ._tags import dial_part, listening_address
 
@@ -205,6 +206,7 @@ class Inbox:
         recv_buffer: int,
         port: int = 0,
         tag: str = "",
+        guard: Limits | None = None,
     ) -> None:
         if scheme == "auto":
             scheme = "abstract" if sys.platform == "linux" else "ipc"
@@ -243,6 +245,10 @@ class Inbox:
             addr = addr.rsplit(":", 1)[0] + f":{bound}"
         if scheme in ("tcp", "tls+tcp"):
             addr = listening_address(addr, port, tag)
+        #: watches the connections that have not proven themselves (see ._guard)
+        self._guard: Guard | None = None
+        if guard is not None and scheme in ("tcp", "tls+tcp"):
+            self._guard = Guard(int(str(listener.local_address).rsplit(":", 1)[1]), guard)
         self.address = addr
         self.refusals = Refusals(addr)
         self._check = HelloCheck(addr)
@@ -261,6 +267,8 @@ class Inbox:
 
     def _on_pipe_gone(self, pipe: pynng.Pipe) -> None:
         self._unproven.pop(pipe.id, None)
+        if self._guard is not None:
+            self._guard.gone(pipe.id)
         if pipe.id in self.proven:
             self._gone.append(pipe.id)
             while len(self._gone) > _GONE_KEPT:
@@ -281,11 +289,18 @@ class Inbox:
             _close_pipe(entry[0])
             return
         self.proven[pipe] = peer
+        if self._guard is not None:
+            try:
+                self._guard.proven(pipe, str(entry[0].remote_address))
+            except pynng.NNGException:  # gone meanwhile
+                pass
 
     def sweep(self) -> None:
-        """Close the pipes that were too slow to say hello (and log the refusals seen
-        on NNG's threads)."""
+        """Close the pipes that were too slow to say hello, and the connections the
+        guard finds past its limits (and log the refusals seen on NNG's threads)."""
         self._count_early()
+        if self._guard is not None:
+            self._guard.sweep()
         now = time.monotonic()
         if self._listener is not None and now >= self._tls_polled + _TLS_POLL:
             self._count_tls()
