@@ -217,9 +217,23 @@ class HostAgent(Actor):
 
     @endpoint(concurrent=True)
     def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to worker ``pid`` (nothing if it is gone)."""
+        """Send ``sig`` to worker ``pid`` (nothing if it is gone). A persistent mesh's
+        worker takes it from the controller that holds the mesh now, only: one that it
+        was taken from (see ``attach_mesh(takeover=True)``) and did not hear of it
+        would kill it for the silence of heartbeats that now go elsewhere."""
         child = self.children.get(pid)
         if child is None or child.process.returncode is not None:
+            return
+        ctx = call_context.get()
+        holder = self.meshes.get(child.mesh, {}).get("controller") if child.mesh else None
+        if holder and ctx is not None and ctx.sender != holder:
+            log.warning(
+                "refused to kill worker %d of persistent mesh %r for %s: %s holds it now",
+                pid,
+                child.mesh,
+                ctx.sender,
+                holder,
+            )
             return
         if sig == signal.SIGTERM:
             child.process.terminate()
