@@ -112,10 +112,10 @@ class Dispatch:
 
     def _decline(self, env: _wire.Call | _wire.Cast, why: str) -> None:
         """A request no actor here will run: a call is answered with a
-        :data:`~amesh._wire.NO_ACTOR` error, a cast's credit is returned (its sender
-        must not wait for it)."""
+        :data:`~amesh._wire.NO_ACTOR` error, a cast with a credit that says the actor
+        is gone (its sender must not wait for it, and nothing is counted for it)."""
         if isinstance(env, _wire.Cast):
-            self._links.taken(env.sender, env.actor, _wire.payload_size(env))
+            self._links.declined(env.sender, env.actor)
         else:
             to, call_id = env.reply_to or env.sender, env.reply_id or env.call_id
             self.reply_error(to, call_id, env.rank, _wire.NO_ACTOR, why)

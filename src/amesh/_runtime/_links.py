@@ -5,6 +5,14 @@ in one actor's mailbox at one process; beyond that ``acquire`` waits. The receiv
 returns credit in batches as messages leave the mailbox. Credits are cumulative (the
 total taken so far, not a delta), so a lost or duplicated credit message costs at most
 a delay until the next one, never a window shrunk for good.
+
+The counts of a (peer, actor) pair live as long as the actor: once it stopped, its
+process sends each sender whose casts it counted a credit of :data:`GONE` and drops
+the counts, and a sender that gets one drops its own. A cast (or a probe) that comes
+later for an actor that is no longer there is answered the same way, keeping nothing:
+an actor's key is never reused, so no count of it is needed again. Without that, each
+actor mesh spawned and stopped left an entry per process on both sides for as long as
+the processes lived.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from .._errors import Failure
 from .._ratelog import RateLimitedLog
 from .._transport import Transport, TransportClosed
 
-__all__ = ["CREDIT_BATCH", "CREDIT_BATCH_BYTES", "Links", "send_window"]
+__all__ = ["CREDIT_BATCH", "CREDIT_BATCH_BYTES", "GONE", "Links", "send_window"]
 
 log = logging.getLogger("amesh.runtime")
 #: frames that could not be sent (an address no transport here can reach, a frame
@@ -35,6 +43,9 @@ CREDIT_BATCH = 32
 CREDIT_BATCH_BYTES = 8 * 1024 * 1024
 #: A sender held back this long asks the receiver for its credit totals again.
 CREDIT_PROBE = 0.5
+#: The credit of an actor that is gone (stopped, or not there): it takes every cast,
+#: so nothing waits on it, and its sender forgets what it counted for it.
+GONE = 2**63 - 1
 
 
 def send_window() -> tuple[int, int]:
@@ -253,8 +264,15 @@ class Links:
         return seqs
 
     def on_credit(self, env: _wire.Credit) -> int:
-        """Credit from a receiver; returns how many of our messages it has taken."""
+        """Credit from a receiver; returns how many of our messages it has taken
+        (:data:`GONE`: all of them, ever, and what we counted is dropped)."""
         key = (env.addr, env.actor)
+        if env.count == GONE:
+            self._out.pop(key, None)
+            event = self._credit_waiters.pop(key, None)
+            if event is not None:
+                event.set()
+            return GONE
         out = self._out.get(key)
         if out is None:
             return 0
@@ -294,12 +312,28 @@ class Links:
             taken[2], taken[3] = taken[0], taken[1]
             self.send_nowait(sender, _wire.Credit(self.address, actor, taken[0], taken[1]))
 
-    def on_probe(self, env: _wire.Credit) -> None:
-        """A sender (``env.addr``) asks for ``env.actor``'s credit totals again."""
+    def on_probe(self, env: _wire.Credit, live: bool) -> None:
+        """A sender (``env.addr``) asks for ``env.actor``'s credit totals again
+        (``live``: the actor runs here; else it is gone)."""
+        if not live:
+            self.declined(env.addr, env.actor)
+            return
         taken = self._taken.get((env.addr, env.actor))
         if taken is not None:
             taken[2], taken[3] = taken[0], taken[1]
             self.send_nowait(env.addr, _wire.Credit(self.address, env.actor, taken[0], taken[1]))
+
+    def declined(self, sender: str, actor: str) -> None:
+        """A cast from ``sender`` for ``actor``, which is not here (any more), was
+        dropped: the sender must not wait for it, and nothing is kept."""
+        self.send_nowait(sender, _wire.Credit(self.address, actor, GONE, GONE))
+
+    def forget_actor(self, actor: str) -> None:
+        """Actor ``actor`` of this process stopped and takes nothing more: tell each
+        sender whose casts it counted, and drop the counts."""
+        for key in [k for k in self._taken if k[1] == actor]:
+            del self._taken[key]
+            self.declined(key[0], actor)
 
     # -- peers that are gone ----------------------------------------------------------------
 

@@ -728,3 +728,5 @@ class ActorInstance:
                 await self._stop_owned()
                 self._stopping.set()
                 await self.done.wait()
+            # it takes no cast any more: its senders' windows and counts go
+            self.runtime.links.forget_actor(self.key)

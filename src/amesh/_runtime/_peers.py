@@ -12,6 +12,14 @@ A death is learnt three ways, whichever comes first:
   for any other peer, the link's loss is its death.
 
 Every call waiting on a dead peer fails at once, and later sends to it fail at once.
+
+The table of dead peers keeps the :data:`DEAD_KEPT` most recent deaths: a process
+that outlives many short-lived peers (a controller starting mesh after mesh, a worker
+called by many) would otherwise keep an entry for each of them for good. What goes
+is the oldest: nothing more waits on it (its calls failed when it died), no frame of
+it arrives any more (its link was closed), and a send that still comes for it (a
+handle kept that long) fails when its connection cannot be made, as a peer's link
+loss does, rather than with the cause first seen.
 """
 
 from __future__ import annotations
@@ -27,12 +35,15 @@ from ._calls import Calls
 from ._links import Links
 from ._router import Router
 
-__all__ = ["LINK_LOST", "Peers", "peer_of"]
+__all__ = ["DEAD_KEPT", "LINK_LOST", "Peers", "peer_of"]
 
 log = logging.getLogger("amesh.runtime")
 
 #: The cause of a peer whose link broke begins so, followed by why in parentheses.
 LINK_LOST = "its connection was lost"
+#: Dead peers remembered, the most recent: a mesh of this many ranks lost at once still
+#: fails every send at once with each rank's cause; ~1 MB at ~0.5-0.9 KB an entry.
+DEAD_KEPT = 1024
 
 _PID_IN_NAME = re.compile(r"amesh-(\d+)-[0-9a-f]+")
 
@@ -83,6 +94,8 @@ class Peers:
         if addr in self.dead:
             return
         self.dead[addr] = why
+        if len(self.dead) > DEAD_KEPT:
+            del self.dead[next(iter(self.dead))]  # the oldest death (see the module doc)
         self.heartbeats.pop(addr, None)
         self._calls.fail_addr(addr, why)
         self._router.peer_failed(addr, why)

@@ -435,7 +435,7 @@ class Runtime:
             if env.addr != peer:
                 self._refuse(env, env.addr, peer)
             elif env.count < 0:
-                self.links.on_probe(env)
+                self.links.on_probe(env, env.actor in self.actors)
             else:
                 count = self.links.on_credit(env)
                 self.router.credited(env.addr, env.actor, count)
