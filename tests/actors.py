@@ -633,3 +633,13 @@ class TlsIdentity(Actor):
 
         m = _tls.material()
         return m.ca, m.cert, m.key, os.getppid()
+
+
+class Holder(Actor):
+    @endpoint
+    def hold(self, started: str, release: str) -> None:
+        """Hold the event loop's thread until file ``release`` exists (``started``
+        exists once it does)."""
+        open(started, "w").close()
+        while not os.path.exists(release):
+            time.sleep(0.01)

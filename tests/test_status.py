@@ -219,6 +219,19 @@ async def test_amesh_list_stacks_and_logs(tmp_path: Path, monkeypatch: pytest.Mo
                 assert sorted(logs.splitlines()[:2]) == ["[door 0] hello", "[door 1] hello"]
                 assert logs.splitlines()[2:] == ["[door 1] bye"], logs
                 assert await _amesh("logs", "watched", "-n", "1") == "[door 1] bye\n"
+                ones = await _amesh("logs", "watched", "--rank", "1")
+                assert ones == "[door 1] hello\n[door 1] bye\n", ones
+                cmd = [sys.executable, "-m", "amesh", "logs", "watched", "-n", "1", "-f"]
+                async with await anyio.open_process(cmd, stderr=None) as follower:
+                    assert follower.stdout is not None
+                    seen = b""
+                    while b"\n" not in seen:  # the last line: it follows from there
+                        seen += await follower.stdout.receive()
+                    await door.slice(procs=0).say.call_one("later")
+                    while b"[door 0] later\n" not in seen:
+                        seen += await follower.stdout.receive()
+                    assert seen == b"[door 1] bye\n[door 0] later\n", seen
+                    follower.terminate()
                 await door.slice(procs=1).open.call_one()
             assert registry.exists()
         assert not registry.exists()

@@ -94,11 +94,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     logs = sub.add_parser(
         "logs",
-        help="print the last lines of output of a live mesh's workers (its controller keeps 1000)",
+        help="print the last lines of output of a mesh's workers: a live mesh's from its "
+        "controller (it keeps 1000), a persistent one's without a controller from the log "
+        "files its host agent keeps",
     )
     logs.add_argument("name", help="the mesh's name (`procs` unless named)")
     logs.add_argument(
         "-n", "--lines", type=int, default=100, help="how many of the last lines (default 100)"
+    )
+    logs.add_argument("--rank", type=int, default=None, help="the lines of this rank only")
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="then print lines as they come (Ctrl-C ends)"
     )
     for cmd in (stacks, logs):
         cmd.add_argument(

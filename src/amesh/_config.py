@@ -52,6 +52,7 @@ __all__ = [
 INTERNAL = (
     "AMESH_DEBUG_LISTENER",
     "AMESH_DEBUG_RELAYED",
+    "AMESH_OUTPUT_FILE",
     "AMESH_OUTPUT_LABEL",
     "AMESH_OUTPUT_RANK",
     "AMESH_WORKER_BACKEND",
@@ -251,6 +252,13 @@ class Settings:
         "folded",
         "What becomes of the workers' output: `folded`, `raw` or `off` (`ProcMesh(output=)`).",
         choices=("folded", "raw", "off"),
+    )
+    log_file_bytes: int = _setting(
+        4 * _MIB,
+        "Bytes of output each worker of a persistent mesh keeps in its log file at its "
+        "host agent (`amesh logs`), and as much again in one rotated file.",
+        minimum=4096,
+        shown="4 MiB",
     )
 
 

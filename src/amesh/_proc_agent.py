@@ -181,9 +181,10 @@ class ControllerAgent(Actor):
         self.meshes: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @endpoint
-    def logs(self, name: str, n: int = 100) -> list[str]:
-        """The last ``n`` lines of output of this controller's mesh ``name``."""
-        return current_runtime().outputs.recent(name, n)
+    def logs(self, name: str, n: int = 100, since: int | None = None) -> tuple[list[str], int]:
+        """The last ``n`` lines of output of this controller's mesh ``name``, or those
+        since ``since``; see :meth:`Outputs.recent <amesh._runtime._output.Outputs.recent>`."""
+        return current_runtime().outputs.recent(name, n, since)
 
     @endpoint(concurrent=True)
     async def stacks(self, name: str, slot: int, full: bool = False) -> str:

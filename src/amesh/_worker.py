@@ -58,6 +58,7 @@ from ._config import loop_options, settings, take_internal
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime import _capture, _stackdump
 from ._runtime._context import call_context
+from ._runtime._logfile import LogWriter
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
 from ._transport import Transport, heartbeat_sender, local_route, open_transport
@@ -425,9 +426,12 @@ def _take_output(level: str) -> None:
     to the stdout and stderr it inherited. ``level``: the root logger's."""
     label = take_internal("AMESH_OUTPUT_LABEL")
     rank = take_internal("AMESH_OUTPUT_RANK")
+    # a persistent mesh's worker keeps its lines in a file its host agent reads too
+    path = take_internal("AMESH_OUTPUT_FILE")
     mode = settings().output
     if label and rank.isdigit() and mode != "off":
-        _capture.install(label, int(rank), level, system=(AGENT_KEY,))
+        log_file = LogWriter(path, settings().log_file_bytes) if path else None
+        _capture.install(label, int(rank), level, system=(AGENT_KEY,), log_file=log_file)
         return
     if label and mode == "off":
         devnull = os.open(os.devnull, os.O_WRONLY)

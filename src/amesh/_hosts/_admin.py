@@ -21,6 +21,7 @@ from .._transport._auth import adopt_key_file
 from .._transport._stream import StreamTransport
 from ._agent import address_towards
 from ._home import local_key
+from ._inspect import held_logs, held_stacks
 from ._live import describe_live, find, live_meshes, recent_logs, stacks
 from ._remote import _agent_address, find_held, held_meshes
 
@@ -67,13 +68,39 @@ def _print_list(held: dict[str, Any], live: list[dict[str, Any]] | None, as_json
         print(describe(name, held[name]))
 
 
+async def _held(name: str, pid: int | None, missing: LookupError, work: Any) -> int:
+    """Run ``work()`` on persistent mesh ``name``, which no controller holds (not
+    live: ``missing``), through the local agent (see :mod:`._inspect`)."""
+    if pid is not None:
+        raise missing
+    adopt_key_file(str(local_key()))
+    scheme, host = default_transport()
+    async with open_runtime(lambda: open_transport(scheme, host=host)):
+        try:
+            await work()
+        except LookupError as exc:
+            raise LookupError(
+                f"no live mesh named {name!r} on this machine, nor a persistent one ({exc})"
+            ) from None
+    return 0
+
+
 async def _stacks(name: str, rank: int | None, pid: int | None, full: bool) -> int:
-    key, mesh = find(name, pid)
+    try:
+        key, mesh = find(name, pid)
+    except LookupError as missing:
+
+        async def held() -> None:
+            for r, worker, text in await held_stacks(name, rank, full):
+                print(f"=== {name} rank {r} (pid {worker})")
+                print(text)
+
+        return await _held(name, pid, missing, held)
     ranks = list(range(len(mesh["addrs"]))) if rank is None else [rank]
     if not all(0 <= r < len(mesh["addrs"]) for r in ranks):
         print(f"amesh stacks: mesh {name!r} has no rank {rank}", file=sys.stderr)
         return 1
-    texts = await stacks(key, mesh, ranks, full or settings().debug)
+    texts = await stacks(key, mesh, ranks, full)
     for r, text in zip(ranks, texts):
         print(f"=== {name} rank {r} (pid {mesh['pids'][r]})")
         print(text)
@@ -106,11 +133,18 @@ def main(
 
     async def run() -> int:
         if command == "stacks":
-            return await _stacks(args.name, args.rank, args.pid, args.full)
+            return await _stacks(args.name, args.rank, args.pid, args.full or settings().debug)
         if command == "logs":
-            key, mesh = find(args.name, args.pid)
-            lines = await recent_logs(key, mesh, args.lines)
-            print("\n".join(lines) if lines else f"no output from {args.name!r} yet")
+            try:
+                key, mesh = find(args.name, args.pid)
+            except LookupError as missing:
+                return await _held(
+                    args.name,
+                    args.pid,
+                    missing,
+                    lambda: held_logs(args.name, args.lines, args.rank, args.follow),
+                )
+            await recent_logs(key, mesh, args.lines, args.rank, args.follow)
             return 0
         if hosts is None:
             adopt_key_file(str(local_key()))
@@ -137,6 +171,8 @@ def main(
         StreamTransport.fast_asyncio = False
     try:
         return anyio.run(run)
+    except KeyboardInterrupt:  # the way out of `amesh logs -f`
+        return 130
     except (SupervisionError, TimeoutError, OSError, ValueError, RuntimeError, LookupError) as exc:
         print(f"amesh {command}: {exc}", file=sys.stderr)
         return 1

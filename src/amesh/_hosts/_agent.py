@@ -37,11 +37,14 @@ import itertools
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -53,6 +56,7 @@ from .._debug import current_listener, debug_env
 from .._limits import TASKS_PER_PROCESS, raise_open_files, raise_processes
 from .._mesh._host import ProcessLike
 from .._runtime._context import call_context
+from .._runtime._logfile import read as read_logs
 from .._runtime._mailbox import ActorInstance
 from .._runtime._runtime import Runtime, current_runtime, open_runtime
 from .._runtime._stackdump import stacks_by_signal
@@ -80,6 +84,8 @@ class _Child:
     owner: str
     #: the persistent mesh it belongs to ("": none; it dies with its controller)
     mesh: str = ""
+    #: its log file (a persistent mesh's worker; see amesh._runtime._logfile)
+    log: str = ""
     exited: anyio.Event = field(default_factory=anyio.Event)
 
 
@@ -124,6 +130,8 @@ class HostAgent(Actor):
         #: debug sessions relayed to controllers: handle -> our end of the session
         self._debugging: dict[int, socket.socket] = {}
         self._handles = itertools.count(1)
+        #: the log files of persistent meshes' workers (made with the first one)
+        self._logs: Path | None = None
 
     @endpoint(concurrent=True)
     def info(self) -> dict[str, Any]:
@@ -180,6 +188,9 @@ class HostAgent(Actor):
         child_env.update(env)
         child_env.update(debug_env(lambda: state_dir() / "debug", relayed=True))
         child_env.setdefault("PYTHONUNBUFFERED", "1")
+        log_file = str(self._logs_dir() / f"{token}.log") if persistent else ""
+        if log_file:
+            child_env["AMESH_OUTPUT_FILE"] = log_file
         # the worker listens the way its controller does: TLS between hosts (and
         # streams within this one), or plain tcp streams
         scheme = "tls+tcp" if owner.startswith("tls+tcp://") else "stream+tcp"
@@ -192,7 +203,7 @@ class HostAgent(Actor):
             (heartbeat_period, heartbeat_timeout),
             parent=owner,
         )
-        child = self.children[pid] = _Child(process, owner, persistent)
+        child = self.children[pid] = _Child(process, owner, persistent, log_file)
         rt.start_soon(self._reap, pid, child)
         self._watch(rt, owner)
         log.info(
@@ -239,6 +250,43 @@ class HostAgent(Actor):
             child.process.terminate()
         else:
             child.process.kill()
+
+    def _logs_dir(self) -> Path:
+        if self._logs is None:
+            self._logs = _make_logs_dir()
+        return self._logs
+
+    @endpoint(concurrent=True)
+    async def logs(
+        self,
+        name: str,
+        n: int = 100,
+        rank: int | None = None,
+        cursor: dict[str, list[int]] | None = None,
+    ) -> tuple[list[tuple[float, str]], dict[str, list[int]]]:
+        """The output of persistent mesh ``name``'s workers here, from their log files
+        (of rank ``rank`` only, when given): ``(time, line)`` in time order, the last
+        ``n``, or those written since ``cursor`` (from the answer before); and the
+        cursor after them. See :func:`amesh._runtime._logfile.read`."""
+        if name not in self.meshes:
+            raise LookupError(f"no persistent mesh named {name!r} here")
+        paths = [c.log for c in self.children.values() if c.mesh == name and c.log]
+        return await anyio.to_thread.run_sync(read_logs, paths, n, rank, cursor)
+
+    def _remove_logs(self, name: str) -> None:
+        """Remove the log files of persistent mesh ``name``'s workers (it stopped)."""
+        for child in self.children.values():
+            if child.mesh == name and child.log:
+                for path in (child.log, child.log + ".1"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                child.log = ""
+
+    def remove_all_logs(self) -> None:
+        """Remove this agent's log directory (it is exiting)."""
+        if self._logs is not None:
+            shutil.rmtree(self._logs, ignore_errors=True)
+            self._logs = None
 
     @endpoint(concurrent=True)
     async def stacks(self, pid: int, full: bool = False) -> str:
@@ -347,14 +395,17 @@ class HostAgent(Actor):
             await child.exited.wait()
         if forget:
             self.meshes.pop(name, None)
+            self._remove_logs(name)
         if mine:
             log.info("stopped persistent mesh %r: %d worker(s)", name, len(mine))
         return len(mine)
 
     @endpoint(concurrent=True)
     def forget(self, name: str) -> None:
-        """Drop persistent mesh ``name``'s record (its controller stopped it)."""
+        """Drop persistent mesh ``name``'s record (its controller stopped it), and its
+        workers' log files."""
         self.meshes.pop(name, None)
+        self._remove_logs(name)
 
     # -- controllers that are gone ----------------------------------------------------
 
@@ -428,6 +479,28 @@ class HostAgent(Actor):
         for child in self.children.values():
             if child.process.returncode is None:
                 child.process.kill()
+
+
+def _make_logs_dir() -> Path:
+    """A directory of this agent's own under ``<state dir>/logs`` (named from its pid:
+    those of agents that are gone, killed, are removed first)."""
+    root = state_dir() / "logs"
+    root.mkdir(mode=0o700, exist_ok=True)
+    for old in root.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _read_some(sock: socket.socket, timeout: float) -> bytes | None:
@@ -549,6 +622,7 @@ async def serve_agent(
                     with anyio.move_on_after(5):
                         await child.exited.wait()
             if announce_to:
+                agent.remove_all_logs()
                 _unannounce(announce_to, rt.address)
 
 

@@ -13,8 +13,10 @@ from typing import Any
 import anyio
 
 from .._actor_mesh import ActorMesh
+from .._errors import SupervisionError
 from .._mesh._registry import read_all
 from .._proc_agent import AGENT_KEY, CONTROLLER_KEY, ControllerAgent, ProcAgent
+from .._runtime._logfile import rank_of
 from .._runtime._runtime import open_runtime
 from .._runtime._stackdump import DUMP_TIMEOUT, LOOP_TIMEOUT
 from .._shape import Shape
@@ -23,6 +25,7 @@ from .._transport._auth import adopt_key
 
 __all__ = [
     "ASK_TIMEOUT",
+    "FOLLOW_PERIOD",
     "ask",
     "describe_live",
     "find",
@@ -31,6 +34,8 @@ __all__ = [
     "stacks",
 ]
 
+#: Seconds between two looks for new lines (``amesh logs -f``).
+FOLLOW_PERIOD = 0.5
 #: Seconds a worker has to answer ``amesh list`` or ``amesh stacks``: a rank whose
 #: event loop does not answer by then is busy (``amesh stacks`` takes its stacks by a
 #: signal then).
@@ -172,15 +177,37 @@ def describe_live(mesh: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def recent_logs(key: str, mesh: dict[str, Any], n: int) -> list[str]:
-    """The last ``n`` lines of output of ``mesh`` (a registry entry), which its
-    controller keeps (asked with the controller's ``key``, hex)."""
+async def recent_logs(
+    key: str, mesh: dict[str, Any], n: int, rank: int | None = None, follow: bool = False
+) -> None:
+    """Print the last ``n`` lines of output of ``mesh`` (a registry entry), which its
+    controller keeps (asked with the controller's ``key``, hex), of rank ``rank``
+    only when given; with ``follow``, then those that come, until the controller is
+    gone."""
     adopt_key(bytes.fromhex(key))
     controller = ActorMesh(
         CONTROLLER_KEY, CONTROLLER_KEY, ControllerAgent, Shape(["procs"], [1]), [mesh["controller"]]
     )
     async with open_runtime(lambda: _transport_for(mesh)):
-        lines: list[str] = await controller.logs.options(timeout=ASK_TIMEOUT).call_one(
-            mesh["name"], n
-        )
-    return lines
+        logs = controller.logs.options(timeout=ASK_TIMEOUT)
+        lines, seen = await logs.call_one(mesh["name"], n)
+        printed = _print_lines(lines, rank)
+        if not printed and not follow:
+            print(f"no output from {mesh['name']!r} yet")
+        while follow:
+            await anyio.sleep(FOLLOW_PERIOD)
+            try:
+                lines, seen = await logs.call_one(mesh["name"], 0, seen)
+            except (SupervisionError, TimeoutError) as exc:
+                print(f"(its controller is gone: {exc})")
+                return
+            _print_lines(lines, rank)
+
+
+def _print_lines(lines: list[str], rank: int | None) -> int:
+    """Print ``lines`` (of rank ``rank`` only, when given); how many."""
+    if rank is not None:
+        lines = [line for line in lines if rank_of(line) == rank]
+    for line in lines:
+        print(line, flush=True)
+    return len(lines)

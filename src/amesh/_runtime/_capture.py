@@ -50,7 +50,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
@@ -59,6 +59,8 @@ import anyio
 from .. import _wire
 from .._wire import LOG, STDERR, STDOUT, OutputLine
 from ._context import call_context, call_soon_threadsafe
+from ._logfile import LogWriter
+from ._output import plain_line
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -110,16 +112,24 @@ def before_reply() -> None:
         capture.flush_nowait()
 
 
-def install(label: str, rank: int, level: str, system: Collection[str] = ()) -> Capture:
+def install(
+    label: str,
+    rank: int,
+    level: str,
+    system: Collection[str] = (),
+    log_file: LogWriter | None = None,
+) -> Capture:
     """Capture this process's output from now on (see the module's docstring).
 
     Args:
         label, rank: the process's identity (its ProcMesh's name and its slot).
         level: the root logger's level (``AMESH_LOG_LEVEL``).
         system: keys of amesh's own actors: output of their handlers is the process's.
+        log_file: where the lines sent are kept too (a persistent mesh's worker: see
+            :mod:`amesh._runtime._logfile`).
     """
     global _active
-    capture = Capture(label, rank, system)
+    capture = Capture(label, rank, system, log_file)
     capture.start(level)
     _active = capture
     return capture
@@ -168,8 +178,15 @@ class Capture:
         system: keys of amesh's own actors (their handlers' output is the process's).
     """
 
-    def __init__(self, label: str, rank: int, system: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        label: str,
+        rank: int,
+        system: Collection[str] = (),
+        log_file: LogWriter | None = None,
+    ) -> None:
         self.process: Identity = (label, rank)
+        self._log_file = log_file
         self._system = frozenset(system)
         self._lock = threading.Lock()
         self._lines: deque[OutputLine] = deque()
@@ -281,7 +298,19 @@ class Capture:
             if not more:  # (the lines were dropped after all those that wait)
                 dropped, self._dropped = self._dropped, 0
                 self.pending = False
+        if self._log_file is not None and (lines or dropped):
+            self._log_file.write(self._file_lines(lines, dropped))
         return lines, dropped, more
+
+    def _file_lines(self, lines: list[OutputLine], dropped: int) -> Iterator[str]:
+        """``lines`` as the log file holds them: one ``[label rank] text`` a line."""
+        for line in lines:
+            first, *rest = plain_line(line).split("\n")
+            yield first
+            yield from (f"[{line.label} {line.rank}] {r}" for r in rest)
+        if dropped:
+            label, rank = self.process
+            yield f"[{label} {rank}] [{dropped} lines dropped]"
 
     # -- starting and stopping ------------------------------------------------------------
 

@@ -48,6 +48,7 @@ __all__ = [
     "OutputPrinter",
     "Outputs",
     "output_mode",
+    "plain_line",
     "ranks_text",
 ]
 
@@ -125,11 +126,16 @@ class Outputs:
         if self._printers.get(addr, (None, 0))[0] is printer:
             del self._printers[addr]
 
-    def recent(self, label: str, n: int) -> list[str]:
-        """The last ``n`` lines of output of the meshes named ``label`` (ProcMeshes)."""
+    def recent(self, label: str, n: int, since: int | None = None) -> tuple[list[str], int]:
+        """The last ``n`` lines of output of the meshes named ``label`` (ProcMeshes), or
+        (with ``since``, a count this returned before) those that came since, of the
+        last :data:`RECENT_LINES`; and how many lines came in all."""
         printers = {p for p, _ in self._printers.values() if p.label == label}
         lines = [line for p in printers for line in p.recent]
-        return lines[-n:] if n > 0 else []
+        total = sum(p.lines_seen for p in printers)
+        if since is not None:
+            n = total - since
+        return (lines[-n:] if n > 0 else []), total
 
     def deliver(self, env: Output, peer: str) -> bool:
         """Print ``env`` from ``peer``; False when no printer takes its output."""
@@ -193,6 +199,8 @@ class OutputPrinter:
         self._scope = anyio.CancelScope()
         #: the last lines, each with its own rank (``amesh logs``)
         self.recent: deque[str] = deque(maxlen=RECENT_LINES)
+        #: lines that came in all
+        self.lines_seen = 0
 
     def attach(self, addr: str, slot: int) -> None:
         """Print the output of the process at ``addr``, slot ``slot`` of the mesh."""
@@ -223,7 +231,8 @@ class OutputPrinter:
     def on_output(self, addr: str, slot: int, env: Output) -> None:
         """An :class:`~amesh._wire.Output` frame from the process at ``addr``."""
         self._capturing.add(addr)
-        self.recent.extend(_plain(line) for line in env.lines)
+        self.recent.extend(plain_line(line) for line in env.lines)
+        self.lines_seen += len(env.lines)
         if self.mode != "off":
             lines: list[OutputLine] = list(env.lines)
             if env.dropped:
@@ -287,9 +296,9 @@ class OutputPrinter:
                 self.release(time.monotonic())
 
 
-def _plain(line: OutputLine) -> str:
+def plain_line(line: OutputLine) -> str:
     """``line`` as ``amesh logs`` shows it: its own rank, and a record's level and
-    logger."""
+    logger (the log files of :mod:`amesh._runtime._logfile` hold the same)."""
     text = line.text
     if line.stream == LOG:
         text = f"{logging.getLevelName(line.level)} {line.logger or 'root'}: {text}"
