@@ -20,6 +20,7 @@ import pytest
 
 import amesh
 from amesh._runtime._runtime import open_runtime
+from amesh._transport import open_transport
 from amesh._transport._hybrid import open_tls
 
 from .actors import Counter
@@ -27,11 +28,11 @@ from .test_agent import free_port, shared_key
 
 pytestmark = pytest.mark.anyio
 
-#: The agent's descriptor limit (hard: it cannot raise it): the flood is larger.
-_FDS = 400
-#: Idle connections, from each of several loopback addresses (each under the cap per
-#: address: the deadline and the reserve shut them down, not that cap).
-_SOURCES, _PER_SOURCE = 20, 25
+#: Per scheme: the agent's descriptor limit (hard: it cannot raise it), and the idle
+#: connections from each of several loopback addresses. tcp (TLS): more than the limit
+#: holds, each address under the cap per address (the deadline and the reserve shut
+#: them down); stream+tcp: more than the cap in all (512).
+_FLOOD = {"tcp": (400, 20, 25), "stream+tcp": (1024, 40, 20)}
 #: The start of a TLS ClientHello, sent a byte at a time.
 _HELLO = bytes.fromhex("16030100f4010000f00303") + bytes(64)
 
@@ -45,16 +46,16 @@ class _Agent:
     """An ``amesh agent`` with a low descriptor limit and a 1 s handshake deadline,
     its log collected by a thread."""
 
-    def __init__(self, key: Path) -> None:
+    def __init__(self, key: Path, scheme: str, fds: int) -> None:
         self.port = free_port()
-        self.addr = f"tcp://127.0.0.1:{self.port}"
+        self.addr = f"{scheme}://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "amesh", "agent", "--listen", self.addr]
         self.proc = subprocess.Popen(
             [*cmd, "--key-file", str(key)],
             env={**os.environ, "AMESH_HANDSHAKE_TIMEOUT": "1"},
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (_FDS, _FDS)),
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (fds, fds)),
         )
         self.log: list[str] = []
         self.listening = threading.Event()
@@ -78,12 +79,12 @@ class _Agent:
 
 
 @contextmanager
-def _idle_connections(port: int) -> Iterator[list[socket.socket]]:
-    """Connections that send nothing, from 127.0.0.2, 127.0.0.3, ..."""
+def _idle_connections(port: int, sources: int, each: int) -> Iterator[list[socket.socket]]:
+    """Connections that send nothing, ``each`` from 127.0.0.2, 127.0.0.3, ..."""
     with ExitStack() as stack:
         socks = []
-        for source in range(_SOURCES):
-            for _ in range(_PER_SOURCE):
+        for source in range(sources):
+            for _ in range(each):
                 s = stack.enter_context(socket.socket())
                 s.bind((f"127.0.0.{2 + source}", 0))
                 s.connect(("127.0.0.1", port))
@@ -129,21 +130,32 @@ async def _slowloris(port: int, done: anyio.Event) -> None:
     done.set()
 
 
+def _controller(scheme: str) -> open_runtime:
+    """A controller that reaches the agent as one on another host would: over TLS (not
+    the local alias), or over plain streams."""
+    if scheme == "tcp":
+        return open_runtime(lambda: open_tls("127.0.0.1"))
+    return open_runtime(lambda: open_transport("stream+tcp"))
+
+
 @pytest.mark.timeout(120)
-async def test_an_agent_sheds_connections_that_never_prove_themselves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme", ["tcp", "stream+tcp"])
+async def test_an_agent_sheds_connections_that_never_prove_themselves(
+    tmp_path: Path, scheme: str
+) -> None:
     key = shared_key(tmp_path)
-    agent = _Agent(key)
+    fds, sources, each = _FLOOD[scheme]
+    agent = _Agent(key, scheme, fds)
     try:
         with anyio.fail_after(90):
             await anyio.to_thread.run_sync(agent.listening.wait)
             assert agent.proc.poll() is None, "".join(agent.log)
-            with _idle_connections(agent.port) as idle:
+            with _idle_connections(agent.port, sources, each) as idle:
                 async with anyio.create_task_group() as tg:
                     slow_done = anyio.Event()
                     tg.start_soon(_slowloris, agent.port, slow_done)
-                    # while they are held: a controller (over TLS, as from another
-                    # host) attaches and starts workers
-                    async with open_runtime(lambda: open_tls("127.0.0.1")):
+                    # while they are held: a controller attaches and starts workers
+                    async with _controller(scheme):
                         hosts = await amesh.attach([agent.addr], key_file=str(key))
                         async with hosts.spawn_procs({"gpus": 2}) as procs:
                             c = await procs.spawn("c", Counter)
@@ -161,7 +173,8 @@ async def test_an_agent_sheds_connections_that_never_prove_themselves(tmp_path: 
     # a few lines (start, zygote, a summary every 5 s at most), never one per connection
     assert len(agent.log) < 20, "".join(agent.log)
     assert not any("Traceback" in line for line in agent.log), "".join(agent.log)
-    assert any("did not prove themselves" in line for line in agent.log), "".join(agent.log)
+    summary = "did not prove themselves" if scheme == "tcp" else "over the cap in all"
+    assert any(summary in line for line in agent.log), "".join(agent.log)
 
 
 _CROWDED = """

@@ -542,10 +542,10 @@ def _listener(scheme: str, host: str, port: int) -> Transport:
     """The agent's transport: TLS to other hosts and streams within this one (a
     :class:`HybridTransport`) for ``tls+tcp``, NNG over TLS alone when
     ``AMESH_TRANSPORT_IMPL`` names an NNG transport, plain streams for ``stream+tcp``."""
-    if scheme == "stream+tcp":
-        return StreamTransport("tcp", host=host, port=port)
     # open to other hosts: connections that never prove themselves are shut down
     guard = Limits(deadline=settings().handshake_timeout)
+    if scheme == "stream+tcp":
+        return StreamTransport("tcp", host=host, port=port, guard=guard)
     if default_impl() == "stream":
         return HybridTransport(host, port=port, guard=guard)
     return open_tls(host, port, guard=guard)

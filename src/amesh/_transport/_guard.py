@@ -34,6 +34,10 @@ thread sees the connection end and closes its descriptor itself.
 
 Nothing is logged per connection: one line at most per :data:`~._auth.LOG_INTERVAL`
 says how many were shut down and why.
+
+A stream listener (an agent's ``stream+tcp://``) accepts its connections itself, so
+it applies the same limits at each accept, exactly (:class:`Admission`), and the
+deadline with each connection's own timer (see :mod:`._stream_io`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 from .._ratelog import RateLimitedLog
 from ._auth import HANDSHAKE_TIMEOUT, LOG_INTERVAL
 
-__all__ = ["Guard", "Limits"]
+__all__ = ["Admission", "Guard", "Limits"]
 
 log = logging.getLogger("amesh.transport")
 
@@ -226,3 +230,40 @@ class Guard:
             except OSError:
                 return ""
         return why
+
+
+class Admission:
+    """:class:`Limits` for a listener that accepts its connections itself (a stream
+    listener on tcp, an agent's ``stream+tcp://``): applied at each accept, exactly,
+    where the :class:`Guard` of an NNG listener looks twice a second. The deadline
+    is the connection's own timer; this keeps the caps, oldest first (see the
+    module's docstring). The descriptors of unproven connections are bounded by
+    :attr:`Limits.total`.
+
+    Args:
+        limits: what the listener allows.
+    """
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        #: unproven connections (any hashable object) -> their source, oldest first
+        self._unproven: dict[object, str] = {}
+
+    def admit(self, conn: object, source: str) -> list[tuple[object, str]]:
+        """Count ``conn``, just accepted from ``source``, as unproven; the older
+        unproven connections to shed to make room for it, each with why."""
+        shed: list[tuple[object, str]] = []
+        same = [c for c, s in self._unproven.items() if s == source]
+        if len(same) >= self.limits.per_source:
+            shed.append((same[0], "over the cap per address"))
+            del self._unproven[same[0]]
+        if len(self._unproven) >= self.limits.total:
+            oldest = next(iter(self._unproven))
+            shed.append((oldest, "over the cap in all"))
+            del self._unproven[oldest]
+        self._unproven[conn] = source
+        return shed
+
+    def done(self, conn: object) -> None:
+        """``conn`` proved itself, or ended."""
+        self._unproven.pop(conn, None)

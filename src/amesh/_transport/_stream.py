@@ -70,9 +70,10 @@ import anyio
 import sniffio
 
 from .._ratelog import RateLimitedLog
-from ._auth import LOG_INTERVAL, Refusals
+from ._auth import HANDSHAKE_TIMEOUT, LOG_INTERVAL, Refusals
 from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
+from ._guard import Admission, Limits
 from ._paths import ensure_ipc_dir
 from ._stream_io import (
     BATCH_FRAME,
@@ -170,6 +171,9 @@ class StreamTransport:
             :mod:`._auth`), and so the ``peer`` their frames arrive from; its own
             address unless given (a :class:`~._hybrid.HybridTransport` gives its
             ``tls+tcp`` address).
+        guard: for a listener open to other hosts, the deadline and caps of the
+            connections that have not proven themselves (see :mod:`._guard`); None:
+            :data:`~._auth.HANDSHAKE_TIMEOUT`, and no caps.
 
     Raises:
         ValueError: an unknown scheme, ``max_frame`` out of range, or a ``name`` for
@@ -195,6 +199,7 @@ class StreamTransport:
         max_frame: int = DEFAULT_MAX_FRAME,
         name: str = "",
         identity: str = "",
+        guard: Limits | None = None,
     ) -> None:
         if not 0 <= max_frame <= MAX_SIZE:
             raise ValueError(f"max_frame must be between 0 and {MAX_SIZE}, not {max_frame}")
@@ -219,6 +224,11 @@ class StreamTransport:
         self._lsock, self._address, self._ipc_path = _listen(scheme, host, port, name)
         self._identity = identity or self._address
         self._refusals = Refusals(self._address)
+        #: the caps on connections not proven yet, for a listener open to other hosts
+        #: (on asyncio, where the agents run: see :class:`~._guard.Admission`)
+        self._admission = None if guard is None else Admission(guard)
+        #: seconds an inbound connection has from its accept to prove itself
+        self.deadline = HANDSHAKE_TIMEOUT if guard is None else guard.deadline
 
     @property
     def address(self) -> str:

@@ -138,9 +138,14 @@ class AioInbound(asyncio.BufferedProtocol):
         if why:
             self._refuse(why)
             return
+        admission = owner._admission
+        if admission is not None:  # (a listener open to other hosts: see ._guard)
+            source = str(transport.get_extra_info("peername", ("?",))[0])
+            for old, why in admission.admit(self, source):
+                cast(AioInbound, old)._refuse(why)
         assert self._gate is not None
         transport.write(self._gate.challenge)
-        self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT, self._too_slow)
+        self._timer = asyncio.get_running_loop().call_later(owner.deadline, self._too_slow)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         gate = self._gate
@@ -177,6 +182,8 @@ class AioInbound(asyncio.BufferedProtocol):
             return
         self._gate = None
         self.peer = gate.peer
+        if self._owner._admission is not None:
+            self._owner._admission.done(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -189,10 +196,12 @@ class AioInbound(asyncio.BufferedProtocol):
     def _too_slow(self) -> None:
         self._timer = None
         if self._gate is not None:
-            self._refuse(f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
+            self._refuse(f"no handshake within {self._owner.deadline:g} s")
 
     def _refuse(self, why: str) -> None:
         self._gate = None
+        if self._owner._admission is not None:
+            self._owner._admission.done(self)
         self._owner._refusals.refuse(self._who, why)
         self.abort()
 
@@ -210,6 +219,8 @@ class AioInbound(asyncio.BufferedProtocol):
             self._timer = None
         if self._gate is not None and not self._owner._closed:
             self._gate = None
+            if self._owner._admission is not None:
+                self._owner._admission.done(self)
             if self._heard:
                 why = "closed the connection before the handshake"
                 self._owner._refusals.refuse(self._who, why)
@@ -890,8 +901,8 @@ class AnyioInbound:
         why: str | None
         self.who, why = check_peer(sock)
         if not why:
-            why = f"no handshake within {HANDSHAKE_TIMEOUT:g} s"
-            with anyio.move_on_after(HANDSHAKE_TIMEOUT):
+            why = f"no handshake within {self._owner.deadline:g} s"
+            with anyio.move_on_after(self._owner.deadline):
                 why = await self._check(gate, sock)
         if why is None:  # a probe (see _hybrid.local_alias): it tried nothing
             log.debug("%s connected and left without a word", self.who)
