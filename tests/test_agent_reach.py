@@ -19,6 +19,8 @@ import pytest
 import amesh
 from amesh import SupervisionError
 from amesh._hosts._reach import parse_agent_address
+from amesh._runtime._runtime import open_runtime
+from amesh._transport import StreamTransport, open_transport
 
 from .test_agent import agents, free_port, shared_key, tcp_runtime
 
@@ -142,15 +144,20 @@ async def _announced(path: Path, proc: subprocess.Popen[bytes]) -> str:
     return path.read_text().strip()
 
 
+def _tagged_agent(key: Path, announce: Path) -> subprocess.Popen[bytes]:
+    """An agent on a port the kernel picks, which writes its address to ``announce``."""
+    cmd = [sys.executable, "-m", "amesh", "agent", "--listen", "tcp://127.0.0.1:0"]
+    return subprocess.Popen(
+        [*cmd, "--key-file", str(key), "--announce", str(announce)], stderr=subprocess.DEVNULL
+    )
+
+
 async def test_a_missing_tag_is_named(tmp_path: Path) -> None:
     """An agent on a port the kernel picked has a tag; its address without it is
     refused, and the error says so."""
     key = shared_key(tmp_path)
     announce = tmp_path / "agent.addr"
-    cmd = [sys.executable, "-m", "amesh", "agent", "--listen", "tcp://127.0.0.1:0"]
-    proc = subprocess.Popen(
-        [*cmd, "--key-file", str(key), "--announce", str(announce)], stderr=subprocess.DEVNULL
-    )
+    proc = _tagged_agent(key, announce)
     try:
         with anyio.fail_after(60):
             addr = await _announced(announce, proc)
@@ -216,3 +223,46 @@ async def test_a_wrong_or_missing_key_is_named(tmp_path: Path) -> None:
                 f"the agent at {agent.addr} refused this controller: it holds another key"
                 in listed.stderr.decode()
             ), listed.stderr.decode()
+
+
+async def test_a_stream_agent_says_what_may_be_wrong(tmp_path: Path) -> None:
+    """A plain-stream agent's refusal tells key from address apart no more than that
+    (it shows no certificate): the error names both."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(60):
+        async with agents(key, 1, scheme="stream+tcp") as (agent,):
+            async with open_runtime(lambda: open_transport("stream+tcp")):
+                typed = f"{agent.addr}/0123456789ab"
+                with pytest.raises(SupervisionError) as info:
+                    await amesh.attach([typed])
+    assert str(info.value).startswith(
+        f"the agent at {typed} refused this controller: it holds another key ("
+    )
+    assert f"or its address is not {typed} (tag mismatch" in str(info.value)
+
+
+async def test_a_link_to_a_listener_that_never_answers_says_so() -> None:
+    """The kernel takes the connection, nobody sends the challenge: the link's loss
+    says so (it said "cannot connect: ", the empty text of a timeout)."""
+    lost: list[str] = []
+    got = anyio.Event()
+
+    def on_lost(addr: str, why: str) -> None:
+        lost.append(why)
+        got.set()
+
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        transport = StreamTransport("tcp")
+        transport.set_lost_handler(on_lost)
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(transport.serve, lambda frame, peer: None)
+                    transport.try_send(f"stream+tcp://127.0.0.1:{mute.getsockname()[1]}", b"x")
+                    await got.wait()
+                    tg.cancel_scope.cancel()
+        finally:
+            transport.close()
+    assert lost == ["cannot connect: no answer within 5 s (the listener is stopped, or overloaded)"]
