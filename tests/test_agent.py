@@ -243,6 +243,33 @@ async def test_a_mesh_over_two_agents(tmp_path: Path) -> None:
         assert a1.proc.returncode == 0 and a2.proc.returncode == 0
 
 
+async def test_a_controller_on_the_default_transport_moves_towards_its_agents(
+    tmp_path: Path,
+) -> None:
+    """A controller on the default transport (abstract sockets: no other machine
+    reaches them) listens, at attach, on the address that routes to its agents (TLS
+    on loopback here); the agents' workers report there and answer. One that started
+    a mesh of its own before cannot move (its workers know its address): attach says
+    so."""
+    key = shared_key(tmp_path)
+    with anyio.fail_after(120):
+        async with agents(key, 2) as (a1, a2):
+            async with open_runtime(lambda: open_transport()) as rt:
+                assert rt.address.startswith("stream+abstract://")
+                hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+                assert rt.address.startswith("tls+tcp://127.0.0.1:")
+                async with hosts.spawn_procs({"gpus": 1}) as procs:
+                    c = await procs.spawn("c", Counter)
+                    assert list((await c.incr.call(2)).values()) == [2, 2]
+                    assert await c.slice(hosts=1).incr.call_one() == 3
+            async with open_runtime(lambda: open_transport()) as rt:
+                async with amesh.ProcMesh({"procs": 1}) as local:
+                    await local.spawn("c", Counter)
+                    with pytest.raises(RuntimeError, match="know it already"):
+                        await amesh.attach([a1.addr], key_file=str(key))
+                assert rt.address.startswith("stream+abstract://")
+
+
 def zygotes_of(pid: int) -> list[int]:
     """The zygotes among the children of process ``pid``."""
     return [c for c in child_pids(pid) if "amesh._hosts._zygote" in cmdline_of(c)]

@@ -7,9 +7,10 @@
 runs on host ``s // 8``. Each worker reports to this controller directly (so the
 controller must listen where the hosts can reach it: ``AMESH_TRANSPORT=tcp``, which is
 TLS between hosts, or ``stream+tcp`` for plain streams, and ``AMESH_HOST`` set to its
-address on their network), and is supervised as a local one is; the agent reports its
-exit status the moment it reaps it. The loss of an agent is the loss of every worker on
-its host.
+address on their network; a controller on the default transport that has not started
+anything yet moves there at ``attach``, see :func:`_listen_towards`), and is supervised
+as a local one is; the agent reports its exit status the moment it reaps it. The loss
+of an agent is the loss of every worker on its host.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ from .._runtime._runtime import Runtime, current_runtime
 from .._runtime._session import bridged
 from .._shape import Shape
 from .._supervision import Supervisor
+from .._transport import open_transport
 from .._transport._auth import adopt_key_file
 from .._transport._tags import dial_part
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
-from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent
+from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards
 from ._home import local_agent, local_agent_address, local_key
 from ._local import ReadyWaiter
 from ._reach import AgentAddress, parse_agent_address, resolves, why_unreachable
@@ -399,6 +401,28 @@ async def _reach_error(
     return SupervisionError("; ".join(whys), exc.failures)
 
 
+async def _listen_towards(rt: Runtime, agents: Sequence[AgentAddress]) -> None:
+    """Have controller ``rt``, which listens where only this machine reaches it, listen
+    on the address of the interface that routes to ``agents`` instead (as ``amesh agent
+    --route-to`` does): TLS, or plain streams where every agent speaks ``stream+tcp``.
+
+    Raises:
+        RuntimeError: the agents are reached through different interfaces, or other
+            processes know ``rt``'s address already.
+    """
+    routes = {a.typed: await anyio.to_thread.run_sync(address_towards, a.host) for a in agents}
+    if len(set(routes.values())) > 1:
+        raise RuntimeError(
+            "this controller reaches the agents through different addresses of its own ("
+            + ", ".join(f"{ours} to {theirs}" for theirs, ours in routes.items())
+            + "): start it with AMESH_TRANSPORT=tcp and AMESH_HOST=<its address that they "
+            "all reach>"
+        )
+    scheme = "stream+tcp" if all(a.scheme == "stream+tcp" for a in agents) else "tcp"
+    rt.listen_instead(open_transport(scheme, host=next(iter(routes.values()))))
+    log.info("this controller listens at %s, where its agents reach it", rt.address)
+
+
 @bridged
 async def attach(
     addrs: Sequence[str],
@@ -410,6 +434,12 @@ async def attach(
     """The machines whose ``amesh agent`` listens at ``addrs`` (``tcp://ADDR:PORT``),
     as a :class:`HostMesh`.
 
+    A controller that listens where only this machine reaches it (the default
+    transport) listens from here on at its address on the interface that routes to the
+    agents (TLS; plain streams to ``stream+tcp`` agents), where their workers report
+    to it. It can move only while no other process knows it: attach before starting
+    anything else, or start it with ``AMESH_TRANSPORT=tcp`` and ``AMESH_HOST``.
+
     Args:
         addrs: one agent address per host.
         key_file: the key the agents were started with (``amesh keygen``); this
@@ -418,8 +448,9 @@ async def attach(
         timeout: how long to wait for every agent to answer.
 
     Raises:
-        RuntimeError: this controller listens where other machines cannot reach it,
-            or already uses another key.
+        RuntimeError: this controller listens where other machines cannot reach it
+            and cannot move (processes here know its address, or the agents are
+            reached through different interfaces), or it already uses another key.
         SupervisionError: an agent cannot be reached or refused us; the message
             names its address as given and why (the name does not resolve, nothing
             listens there, it does not answer, it holds another key, or its address
@@ -438,11 +469,7 @@ async def attach(
         adopt_key_file(key_file)
     rt = current_runtime()
     if not _local and not rt.address.startswith(("stream+tcp://", "tls+tcp://")):
-        raise RuntimeError(
-            f"this controller listens at {rt.address}, which other machines cannot reach: "
-            "start it with AMESH_TRANSPORT=tcp (or tls+tcp) and AMESH_HOST=<its address on "
-            "their network>"
-        )
+        await _listen_towards(rt, typed)
     for agent in agents:  # an agent may have been restarted since this runtime saw it die
         rt.peers.revive(agent)
     mesh = ActorMesh(

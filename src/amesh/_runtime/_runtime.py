@@ -40,7 +40,7 @@ from anyio.abc import TaskGroup
 from .. import _codec, _wire
 from .._errors import Failure, ProtocolError, SupervisionError
 from .._ratelog import RateLimitedLog
-from .._transport import Transport
+from .._transport import Transport, TransportClosed
 from ._calls import Calls, Pending
 from ._context import (
     call_soon_threadsafe,
@@ -195,6 +195,43 @@ class Runtime:
                 self._lost_wake.set()
             return
         self.peers.link_lost(addr, why)
+
+    async def _serve(self, transport: Transport) -> None:
+        """Deliver what ``transport`` receives until it closes; one that
+        :meth:`listen_instead` replaced ends quietly."""
+        try:
+            await transport.serve(self.deliver)
+        except TransportClosed:
+            if transport is self.transport:
+                raise
+
+    def listen_instead(self, transport: Transport) -> None:
+        """Take ``transport`` (listening) as this runtime's own, in place of the one it
+        was opened with (closed): a controller that learns only at :func:`amesh.attach`
+        that other machines must reach it. The address is the process's identity in
+        every frame, so it can change only while no other process knows it.
+
+        Raises:
+            RuntimeError: this runtime sent or received a frame already, or holds
+                actors; the message names its address.
+        """
+        used = self.transport.statistics()
+        if used.frames_sent or used.frames_received or self.actors or self.owned:
+            transport.close()
+            raise RuntimeError(
+                f"this controller listens at {self.address}, which other machines cannot "
+                "reach, and processes of this machine know it already: call amesh.attach "
+                "before starting anything else, or start the controller with "
+                "AMESH_TRANSPORT=tcp (or tls+tcp) and AMESH_HOST=<its address on their "
+                "network>"
+            )
+        old, self.transport = self.transport, transport
+        self.address = self.links.address = self.router.address = transport.address
+        self.links.transport = transport
+        self.relays.address = transport.address
+        transport.set_lost_handler(self._link_lost)
+        self._tg.start_soon(self._serve, transport)
+        old.close()
 
     async def _serve_lost(self) -> None:
         while True:
@@ -532,7 +569,7 @@ class open_runtime:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         rt = Runtime(transport, tg)
-        tg.start_soon(transport.serve, rt.deliver)
+        tg.start_soon(rt._serve, transport)
         tg.start_soon(rt._serve_lost)
         rt.body = anyio.CancelScope()
         rt.body.__enter__()
