@@ -23,8 +23,8 @@ from amesh._hosts._agent import parse_listen
 from amesh._hosts._remote import _agent_address
 from amesh._runtime._runtime import current_runtime
 from amesh._transport import (
+    HostStreams,
     HybridTransport,
-    StreamTransport,
     Transport,
     _auth,
     _tls,
@@ -104,6 +104,38 @@ async def test_two_processes_of_a_host_talk_over_streams(made: list[Transport]) 
     assert a.statistics().auth_refused == b.statistics().auth_refused == 0
     a.forget(b.address)  # closes the stream link, reporting nothing
     assert a.statistics().peers == 0
+
+
+async def test_plain_streams_reach_a_process_of_their_host_on_tls(made: list[Transport]) -> None:
+    """A process on plain streams (the default transport, this machine's own agent)
+    sends to one on tls+tcp of its host at its alias, which answers it there; a
+    tls+tcp address with no alias here is reported lost at once, its frames dropped
+    (they were dropped, and logged, until the calls timed out)."""
+    a, b, inbox_a, inbox_b = HostStreams("abstract"), hybrid(), Inbox(), Inbox()
+    made += [a, b]
+    lost: list[tuple[str, str]] = []
+    reported = anyio.Event()
+
+    def on_lost(addr: str, why: str) -> None:
+        lost.append((addr, why))
+        reported.set()
+
+    a.set_lost_handler(on_lost)
+    nobody = "tls+tcp://127.0.0.1:1/0123456789ab"
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.serve, inbox_a.deliver)
+            tg.start_soon(b.serve, inbox_b.deliver)
+            await a.send(b.address, b"to tls")
+            assert await inbox_b.take(1) == [b"to tls"]
+            await b.send(a.address, b"back")
+            assert await inbox_a.take(1) == [b"back"]
+            assert a.try_send(nobody, b"lost")
+            await reported.wait()
+            tg.cancel_scope.cancel()
+    assert inbox_b.peers == [a.address] and inbox_a.peers == [b.address]
+    assert lost == [(nobody, lost[0][1])] and "no process of this host listens" in lost[0][1]
+    assert sent(b) == {"stream": 1, "tls": 0}
 
 
 async def test_a_transport_without_an_alias_is_reached_over_tls(made: list[Transport]) -> None:
@@ -265,9 +297,9 @@ def test_tcp_means_encrypted(monkeypatch: pytest.MonkeyPatch) -> None:
     expect = [
         (("tcp",), HybridTransport, "tls+tcp://"),
         (("tls+tcp",), HybridTransport, "tls+tcp://"),
-        (("stream+tcp",), StreamTransport, "stream+tcp://"),
+        (("stream+tcp",), HostStreams, "stream+tcp://"),
         (("tls+tcp", "tls+tcp://127.0.0.1:1"), HybridTransport, "tls+tcp://"),
-        (("stream+tcp", "stream+tcp://127.0.0.1:1"), StreamTransport, "stream+tcp://"),
+        (("stream+tcp", "stream+tcp://127.0.0.1:1"), HostStreams, "stream+tcp://"),
     ]
     for args, cls, prefix in expect:
         t = open_transport(args[0], reach=args[1] if len(args) > 1 else None)

@@ -178,6 +178,28 @@ async def test_a_controller_that_returns_lets_go_and_amesh_stop_ends_it(state: P
         assert out.returncode == 1 and b"no persistent mesh named 'train'" in out.stderr
 
 
+async def test_a_persistent_mesh_of_a_controller_on_tcp(
+    state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A controller on ``AMESH_TRANSPORT=tcp`` (as in a shell set up for host agents)
+    makes a persistent mesh on this machine's agent, which listens on plain streams:
+    the agent answers it at its local alias (its answers were dropped: ``hosts.info:
+    no answer within 30 s``), and a controller on the default transport takes the
+    mesh over, its workers on ``tls+tcp`` included."""
+    monkeypatch.setenv("AMESH_TRANSPORT", "tcp")
+    with anyio.fail_after(60):
+        pids, scratch = await _controller("return")
+        await gone(scratch)
+        async with open_runtime(lambda: open_transport("abstract")):
+            procs = await amesh.attach_mesh("train")
+            assert procs.pids == pids
+            counters = await procs.actor_mesh("counters")
+            assert list((await counters.get.call()).values()) == [5, 7]
+            await procs.stop()
+        for pid in pids:
+            await gone(pid)
+
+
 #: the heartbeat period of the meshes held for several periods: short, so that several
 #: pass in a second or two
 _PERIOD = 0.1

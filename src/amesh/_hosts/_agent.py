@@ -60,7 +60,7 @@ from .._runtime._logfile import read as read_logs
 from .._runtime._mailbox import ActorInstance
 from .._runtime._runtime import Runtime, current_runtime, open_runtime
 from .._runtime._stackdump import stacks_by_signal
-from .._transport import HybridTransport, StreamTransport, Transport, default_impl, open_tls
+from .._transport import HostStreams, HybridTransport, Transport, default_impl, open_tls
 from .._transport._auth import adopt_key, read_key_file
 from .._transport._guard import Limits
 from ._home import state_dir
@@ -545,7 +545,8 @@ def _listener(scheme: str, host: str, port: int) -> Transport:
     # open to other hosts: connections that never prove themselves are shut down
     guard = Limits(deadline=settings().handshake_timeout)
     if scheme == "stream+tcp":
-        return StreamTransport("tcp", host=host, port=port, guard=guard)
+        # (and to this host's controllers on tls+tcp, at their alias)
+        return HostStreams("tcp", host=host, port=port, guard=guard)
     if default_impl() == "stream":
         return HybridTransport(host, port=port, guard=guard)
     return open_tls(host, port, guard=guard)

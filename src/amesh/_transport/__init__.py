@@ -20,12 +20,13 @@ from typing import Protocol
 
 from .._config import settings
 from ._base import Deliver, Transport, TransportClosed, TransportStats
-from ._hybrid import TLS_PREFIX, HybridTransport, local_route, open_tls
+from ._hybrid import TLS_PREFIX, HostStreams, HybridTransport, local_route, open_tls
 from ._stream import StreamBeat, StreamTransport, is_stream_address
 
 __all__ = [
     "Deliver",
     "HeartbeatSender",
+    "HostStreams",
     "HybridTransport",
     "StreamTransport",
     "Transport",
@@ -69,7 +70,8 @@ def open_transport(
             :func:`default_impl` names one), ``"stream+tcp"`` (plain event-loop streams
             over tcp, authenticated by the job key but not encrypted) or ``"auto"``
             (abstract on Linux, else ipc). A ``stream+`` prefix asks for a
-            :class:`StreamTransport` unless ``reach`` says otherwise.
+            :class:`StreamTransport` unless ``reach`` says otherwise (a
+            :class:`HostStreams`: it reaches this host's ``tls+tcp`` processes too).
         host: the interface for the tcp schemes; loopback unless you mean otherwise.
         reach: an address the transport must be able to send to (a worker's parent):
             its kind decides between :class:`StreamTransport`, TLS (as for ``tcp``)
@@ -79,18 +81,18 @@ def open_transport(
     impl = default_impl()
     if reach is not None:
         if is_stream_address(reach):
-            return StreamTransport(scheme.removeprefix("stream+"), host=host)
+            return HostStreams(scheme.removeprefix("stream+"), host=host)
         if reach.startswith(TLS_PREFIX):
             return _open_tls(impl, host)
         if impl == "stream":
             impl = _nng_impl()
     elif is_stream_address(scheme):
-        return StreamTransport(scheme.removeprefix("stream+"), host=host)
+        return HostStreams(scheme.removeprefix("stream+"), host=host)
     elif scheme in ("tcp", "tls+tcp"):
         return _open_tls(impl, host)
     scheme = scheme.removeprefix("stream+")
     if impl == "stream":
-        return StreamTransport(scheme, host=host)
+        return HostStreams(scheme, host=host)
     return _open_nng(impl, scheme, host)
 
 

@@ -47,6 +47,7 @@ import socket
 import struct
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
@@ -55,9 +56,18 @@ from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._guard import Limits
 from ._stream import StreamTransport, is_stream_address
+from ._stream_io import spawn_system_task
 from ._tags import listening_address, tag_of
 
-__all__ = ["TLS_PREFIX", "HybridTransport", "alias_of", "local_alias", "local_route", "open_tls"]
+__all__ = [
+    "TLS_PREFIX",
+    "HostStreams",
+    "HybridTransport",
+    "alias_of",
+    "local_alias",
+    "local_route",
+    "open_tls",
+]
 
 log = logging.getLogger(__name__)
 
@@ -385,3 +395,78 @@ class HybridTransport:
 
     def _opened(self) -> list[Transport]:
         return [t for t in (self._tls, self._streams) if t is not None]
+
+
+class HostStreams(StreamTransport):
+    """A :class:`~._stream.StreamTransport` that also reaches the ``tls+tcp`` processes
+    of this host, at their alias (see :func:`local_alias`).
+
+    Plain streams cannot dial ``tls+tcp``: without this, a process on streams (the
+    default transport, this machine's own agent) could not answer a controller of the
+    same host started with ``AMESH_TRANSPORT=tcp``, nor call the workers of one: its
+    frames were dropped (a persistent mesh's ``hosts.info`` timed out). The link to
+    such an address is the alias's, reported lost under the ``tls+tcp`` address. One
+    with no alias here is another host's: sent to as is, and refused.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: ``tls+tcp`` address -> its alias, and back, for the addresses sent to
+        self._aliases: dict[str, str] = {}
+        self._canonical: dict[str, str] = {}
+        self._handler: Callable[[str, str], None] | None = None
+
+    def _target(self, addr: str) -> str | None:
+        """Where to send to ``addr``; None: nowhere (reported lost)."""
+        if not addr.startswith(TLS_PREFIX):
+            return addr
+        alias = self._aliases.get(addr)
+        if alias is None:
+            alias = local_alias(addr)
+            if alias is None:
+                self._unreachable(addr)
+                return None
+            self._aliases[addr], self._canonical[alias] = alias, addr
+        return alias
+
+    def _unreachable(self, addr: str) -> None:
+        """Report the link to ``addr`` lost, from the event loop, as a refused dial is
+        (its frames are dropped): its calls fail now, not when they time out."""
+        handler = self._handler
+        if handler is None:
+            return
+        why = (
+            "no process of this host listens at its local alias: it is gone, or on "
+            "another host, which plain streams do not reach"
+        )
+
+        async def report() -> None:
+            handler(addr, why)
+
+        self._fast()  # (finds which event loop runs this)
+        spawn_system_task(self._backend, report, self._tasks)
+
+    def try_send(self, addr: str, frame: Frame) -> bool:
+        target = self._target(addr)
+        return target is None or super().try_send(target, frame)
+
+    async def send(self, addr: str, frame: Frame) -> None:
+        target = self._target(addr)
+        if target is not None:
+            await super().send(target, frame)
+
+    def forget(self, addr: str) -> None:
+        alias = self._aliases.pop(addr, None)
+        if alias is not None:
+            self._canonical.pop(alias, None)
+        super().forget(alias or addr)
+
+    def _lost(self, addr: str, why: str) -> None:
+        canonical = self._canonical.pop(addr, addr)
+        self._aliases.pop(canonical, None)
+        if self._handler is not None:
+            self._handler(canonical, why)
+
+    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
+        self._handler = handler
+        super().set_lost_handler(None if handler is None else self._lost)
