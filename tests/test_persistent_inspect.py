@@ -4,6 +4,7 @@ with the mesh), and their stacks are asked of them, or taken by their agent."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import amesh
 from amesh._runtime._runtime import open_runtime
 from amesh._transport import open_transport
 
+from .test_agent import agents, shared_key
 from .test_persistent import ROOT, _amesh, state  # noqa: F401  (state: a fixture)
 
 pytestmark = pytest.mark.anyio
@@ -130,3 +132,49 @@ async def test_logs_follow_a_mesh_whose_controller_left(state: Path) -> None:  #
             "[printers 0] before 0",
             "[printers 1] before 1",
         ]
+
+
+_FAR = """
+import sys
+import amesh
+from tests.output_actors import Printer
+
+async def main():
+    hosts = await amesh.attach(sys.argv[1].split(","), key_file=sys.argv[2])
+    procs = await hosts.spawn_procs({"gpus": 2}, name="far", persistent=True)
+    printers = await procs.spawn("printers", Printer)
+    await printers.say_mine.call("far from")
+
+amesh.run(main)
+"""
+
+
+async def test_logs_and_stacks_on_host_agents(tmp_path: Path) -> None:
+    """The same on `amesh agent`s (--hosts, --key-file): each agent keeps the log
+    files of its workers, `amesh logs` merges those of every host, `amesh stop`
+    removes them."""
+    key = shared_key(tmp_path)
+    how = ["--hosts", "", "--key-file", str(key)]
+    with anyio.fail_after(120):
+        async with agents(key, 2, grace=0.5) as (a1, a2):
+            how[1] = f"{a1.addr},{a2.addr}"
+            out = await anyio.run_process(
+                [sys.executable, "-c", _FAR, how[1], str(key)],
+                cwd=ROOT,
+                check=False,
+                env={**os.environ, "AMESH_TRANSPORT": "tcp", "AMESH_KEY_FILE": str(key)},
+            )
+            assert out.returncode == 0, out.stderr.decode()
+            logs = await _amesh("logs", "far", *how)
+            assert sorted(logs.splitlines()) == [f"[printers {r}] far from {r}" for r in range(4)]
+            assert await _amesh("logs", "far", "--rank", "2", *how) == "[printers 2] far from 2\n"
+            files = [
+                f
+                for a in (a1, a2)
+                for f in (Path(os.environ["AMESH_STATE_DIR"]) / "logs").glob(f"{a.proc.pid}-*/*")
+            ]
+            assert len(files) == 4, files
+            stacks = await _amesh("stacks", "far", "3", *how)
+            assert stacks.startswith("=== far rank 3 (pid ") and "by a signal" not in stacks
+            assert "stopped far: 4 process(es)" in await _amesh("stop", "far", *how)
+            assert not any(f.exists() for f in files)

@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="exit after SECONDS without workers or controllers (default: never)",
     )
+    agent.add_argument(
+        "--lock",
+        default="",
+        metavar="PATH",
+        help="hold a lock on PATH while running, with the pid and address in it "
+        "(this machine's own agent; exits if another holds it)",
+    )
 
     for name, text in (
         (
@@ -110,6 +117,13 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument(
             "--pid", type=int, default=None, help="its controller's pid (when several have one)"
         )
+        cmd.add_argument(
+            "--hosts",
+            default="",
+            metavar="ADDR,...",
+            help="a persistent mesh on these host agents (default: this machine's meshes)",
+        )
+        cmd.add_argument("--key-file", default=None, metavar="PATH", help="the agents' key")
 
     debug = sub.add_parser(
         "debug", help="attach to a rank paused in breakpoint() by a controller on this machine"
@@ -170,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             print("amesh agent: --grace must be more than 0 seconds", file=sys.stderr)
             return 2
         return agent_main(
-            args.listen, args.key_file, grace, args.route_to, args.announce, args.idle_exit
+            args.listen,
+            args.key_file,
+            grace,
+            args.route_to,
+            args.announce,
+            args.idle_exit,
+            args.lock,
         )
     if args.command in ("list", "stop", "stacks", "logs"):
         from ._hosts._admin import main as admin_main

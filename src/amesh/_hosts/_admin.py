@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -68,34 +68,62 @@ def _print_list(held: dict[str, Any], live: list[dict[str, Any]] | None, as_json
         print(describe(name, held[name]))
 
 
-async def _held(name: str, pid: int | None, missing: LookupError, work: Any) -> int:
-    """Run ``work()`` on persistent mesh ``name``, which no controller holds (not
-    live: ``missing``), through the local agent (see :mod:`._inspect`)."""
-    if pid is not None:
-        raise missing
-    adopt_key_file(str(local_key()))
-    scheme, host = default_transport()
+def _transport(hosts: Sequence[str] | None, key_file: str | None) -> tuple[str, str]:
+    """``(scheme, host)`` of a runtime that reaches the agents at ``hosts`` (this
+    machine's local agent when None), whose key it adopts."""
+    if hosts is None:
+        adopt_key_file(str(local_key()))
+        return default_transport()
+    if key_file is not None:
+        adopt_key_file(key_file)
+    # the agents answer where they can reach us: on our side of the route to them
+    first = _agent_address(hosts[0]).split("://", 1)[1].rsplit(":", 1)[0]
+    return "tcp", address_towards(first.strip("[]"))
+
+
+async def _held(
+    name: str,
+    missing: LookupError | None,
+    work: Callable[[], Awaitable[None]],
+    hosts: Sequence[str] | None,
+    key_file: str | None,
+) -> int:
+    """Run ``work()`` on persistent mesh ``name``, which no controller on this machine
+    holds (not live: ``missing``), through its agents (see :mod:`._inspect`)."""
+    scheme, host = _transport(hosts, key_file)
     async with open_runtime(lambda: open_transport(scheme, host=host)):
         try:
             await work()
         except LookupError as exc:
+            if missing is None:
+                raise
             raise LookupError(
                 f"no live mesh named {name!r} on this machine, nor a persistent one ({exc})"
             ) from None
     return 0
 
 
-async def _stacks(name: str, rank: int | None, pid: int | None, full: bool) -> int:
+async def _stacks(
+    name: str,
+    rank: int | None,
+    pid: int | None,
+    full: bool,
+    hosts: Sequence[str] | None,
+    key_file: str | None,
+) -> int:
+    async def held() -> None:
+        for r, worker, text in await held_stacks(name, rank, full, hosts, key_file):
+            print(f"=== {name} rank {r} (pid {worker})")
+            print(text)
+
+    if hosts is not None:  # (the live meshes are this machine's)
+        return await _held(name, None, held, hosts, key_file)
     try:
         key, mesh = find(name, pid)
     except LookupError as missing:
-
-        async def held() -> None:
-            for r, worker, text in await held_stacks(name, rank, full):
-                print(f"=== {name} rank {r} (pid {worker})")
-                print(text)
-
-        return await _held(name, pid, missing, held)
+        if pid is not None:
+            raise
+        return await _held(name, missing, held, hosts, key_file)
     ranks = list(range(len(mesh["addrs"]))) if rank is None else [rank]
     if not all(0 <= r < len(mesh["addrs"]) for r in ranks):
         print(f"amesh stacks: mesh {name!r} has no rank {rank}", file=sys.stderr)
@@ -126,6 +154,22 @@ async def _stop(name: str, hosts: Sequence[str] | None, key_file: str | None) ->
     return 0
 
 
+async def _logs(args: argparse.Namespace, hosts: Sequence[str] | None, key_file: str | None) -> int:
+    def held() -> Awaitable[None]:
+        return held_logs(args.name, args.lines, args.rank, args.follow, hosts, key_file)
+
+    if hosts is not None:  # (the live meshes are this machine's)
+        return await _held(args.name, None, held, hosts, key_file)
+    try:
+        key, mesh = find(args.name, args.pid)
+    except LookupError as missing:
+        if args.pid is not None:
+            raise
+        return await _held(args.name, missing, held, hosts, key_file)
+    await recent_logs(key, mesh, args.lines, args.rank, args.follow)
+    return 0
+
+
 def main(
     command: str, hosts: Sequence[str] | None, key_file: str | None, args: argparse.Namespace
 ) -> int:
@@ -133,28 +177,11 @@ def main(
 
     async def run() -> int:
         if command == "stacks":
-            return await _stacks(args.name, args.rank, args.pid, args.full or settings().debug)
+            full = args.full or settings().debug
+            return await _stacks(args.name, args.rank, args.pid, full, hosts, key_file)
         if command == "logs":
-            try:
-                key, mesh = find(args.name, args.pid)
-            except LookupError as missing:
-                return await _held(
-                    args.name,
-                    args.pid,
-                    missing,
-                    lambda: held_logs(args.name, args.lines, args.rank, args.follow),
-                )
-            await recent_logs(key, mesh, args.lines, args.rank, args.follow)
-            return 0
-        if hosts is None:
-            adopt_key_file(str(local_key()))
-            scheme, host = default_transport()
-        else:
-            if key_file is not None:
-                adopt_key_file(key_file)
-            # the agents answer where they can reach us: on our side of the route to them
-            first = _agent_address(hosts[0]).split("://", 1)[1].rsplit(":", 1)[0]
-            scheme, host = "tcp", address_towards(first.strip("[]"))
+            return await _logs(args, hosts, key_file)
+        scheme, host = _transport(hosts, key_file)
         async with open_runtime(lambda: open_transport(scheme, host=host)):
             if command == "stop":
                 return await _stop(args.name, hosts, key_file)

@@ -63,7 +63,7 @@ from .._runtime._stackdump import stacks_by_signal
 from .._transport import HostStreams, HybridTransport, Transport, default_impl, open_tls
 from .._transport._auth import adopt_key, read_key_file
 from .._transport._guard import Limits
-from ._home import state_dir
+from ._home import hold_agent_lock, state_dir
 from ._local import launch_worker, start_zygote
 
 __all__ = ["AGENT_ACTOR", "DEFAULT_GRACE", "HostAgent", "parse_listen", "serve_agent"]
@@ -577,6 +577,7 @@ async def serve_agent(
     route_to: str = "",
     announce_to: str = "",
     idle_exit: float = 0.0,
+    lock_file: str = "",
     task_status: Any = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a host agent until SIGTERM or SIGINT (or cancellation); see the module doc.
@@ -592,6 +593,10 @@ async def serve_agent(
         idle_exit: exit once no worker has run and no controller held a lease for
             this many seconds (0: never; the local agent that holds this machine's
             persistent meshes is started with it).
+        lock_file: a file to hold an exclusive lock on while running, with the
+            agent's pid and address in it: how controllers find this machine's own
+            agent whatever its ``agent.addr`` says (see :mod:`._home`). Another agent
+            holds it: this one exits.
 
     ``task_status.started`` gets the agent's address once it listens.
     """
@@ -608,6 +613,9 @@ async def serve_agent(
         # every worker here comes from the zygote: have it ready for the first mesh
         rt.start_soon(start_zygote, rt)
         log.info("amesh agent %d listening on %s", os.getpid(), rt.address)
+        if lock_file and hold_agent_lock(lock_file, rt.address) is None:
+            log.error("amesh agent: another agent holds %s, stopping", lock_file)
+            return
         if announce_to:
             announce(announce_to, rt.address)
         try:
@@ -622,8 +630,8 @@ async def serve_agent(
                 for child in list(agent.children.values()):
                     with anyio.move_on_after(5):
                         await child.exited.wait()
-            if announce_to:
                 agent.remove_all_logs()
+            if announce_to:
                 _unannounce(announce_to, rt.address)
 
 
@@ -667,6 +675,7 @@ def main(
     route_to: str = "",
     announce_to: str = "",
     idle_exit: float = 0.0,
+    lock_file: str = "",
 ) -> int:
     """The ``amesh agent`` command."""
     logging.basicConfig(
@@ -682,6 +691,7 @@ def main(
             route_to=route_to,
             announce_to=announce_to,
             idle_exit=idle_exit,
+            lock_file=lock_file,
         )
     )
     return 0

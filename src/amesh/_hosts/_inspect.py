@@ -9,6 +9,7 @@ the local key.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -25,14 +26,21 @@ from ._remote import find_held
 __all__ = ["held_logs", "held_stacks"]
 
 
-async def held_stacks(name: str, rank: int | None, full: bool) -> list[tuple[int, int, str]]:
+async def held_stacks(
+    name: str,
+    rank: int | None,
+    full: bool,
+    hosts: Sequence[str] | None = None,
+    key_file: str | None = None,
+) -> list[tuple[int, int, str]]:
     """``(rank, pid, stacks)`` of ``rank`` (else every rank) of persistent mesh
-    ``name``.
+    ``name``, on the agents at ``hosts`` (with ``key_file``; this machine's when
+    None).
 
     Raises:
         LookupError: no such mesh, or no such rank.
     """
-    hosts, record = await find_held(name, None, None)
+    agents, record = await find_held(name, hosts, key_file)
     procs: list[list[Any]] = record["procs"]
     addrs = [addr for addr, _ in procs]
     exits: dict[int, int] = record["exits"]
@@ -47,7 +55,7 @@ async def held_stacks(name: str, rank: int | None, full: bool) -> list[tuple[int
             texts[r] = f"(its process {describe_exit(exits[pid])})"
             return
         agent = ActorMesh(AGENT_KEY, AGENT_KEY, ProcAgent, Shape(["procs"], [1], [r]), addrs)
-        host = hosts._agents.slice(hosts=r // int(record["per_host"]))
+        host = agents._agents.slice(hosts=r // int(record["per_host"]))
         try:
             texts[r] = await agent.stacks.options(timeout=LOOP_TIMEOUT).call_one(full)
         except TimeoutError:  # busy: its agent takes them by a signal
@@ -62,16 +70,24 @@ async def held_stacks(name: str, rank: int | None, full: bool) -> list[tuple[int
     return [(r, procs[r][1], texts[r]) for r in ranks]
 
 
-async def held_logs(name: str, n: int, rank: int | None, follow: bool) -> None:
+async def held_logs(
+    name: str,
+    n: int,
+    rank: int | None,
+    follow: bool,
+    hosts: Sequence[str] | None = None,
+    key_file: str | None = None,
+) -> None:
     """Print the last ``n`` lines of persistent mesh ``name``'s output (of rank
-    ``rank`` only, when given), in time order; with ``follow``, then those that
-    come, until the mesh is stopped.
+    ``rank`` only, when given), in time order, from the agents at ``hosts`` (with
+    ``key_file``; this machine's when None); with ``follow``, then those that come,
+    until the mesh is stopped.
 
     Raises:
         LookupError: no such mesh.
     """
-    hosts, _ = await find_held(name, None, None)
-    agents = [hosts._agents.slice(hosts=i) for i in range(len(hosts))]
+    mesh, _ = await find_held(name, hosts, key_file)
+    agents = [mesh._agents.slice(hosts=i) for i in range(len(mesh))]
     cursors: list[dict[str, list[int]] | None] = [None] * len(agents)
 
     async def new_lines() -> list[tuple[float, str]]:
