@@ -320,6 +320,9 @@ def open_pidfds(pids: set[int]) -> dict[int, int]:
 
 def controller_env(tmp_path: Path, shm: Path | None) -> dict[str, str]:
     env = dict(os.environ)
+    # A killed controller's segments are removed by its zygote, which outlives it
+    # (exec'd workers die with it, and nobody is left: the next mesh's sweep is).
+    env["AMESH_ZYGOTE"] = "1"
     ipc = tmp_path / "ipc"
     ipc.mkdir(mode=0o700, exist_ok=True)
     env["AMESH_IPC_DIR"] = str(ipc)
