@@ -428,6 +428,10 @@ Envelope = (
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
 _loose = msgspec.msgpack.Decoder()
+#: what decoding a peer's envelope raises on bad bytes: RecursionError where it nests too
+#: deep, and UnicodeDecodeError for a string that is not UTF-8 (msgspec before 0.23;
+#: later ones raise DecodeError)
+_UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 class BadFrame(Exception):
@@ -584,7 +588,7 @@ def _decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
         call_id = rank = 0
         try:
             head = _loose.decode(view[_HEADER_LEN:end])
-        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
+        except _UNDECODABLE:
             head = None
         if isinstance(head, list) and len(head) >= 4:
             s, c, r = head[1], head[2], head[3]
@@ -603,7 +607,7 @@ def _decode(frame: bytes | memoryview) -> tuple[Envelope, list[memoryview]]:
         raise BadFrame("truncated envelope")
     try:
         env = _decoder.decode(view[_HEADER_LEN:end])
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except _UNDECODABLE as exc:
         raise BadFrame(str(exc)) from None
     check = _CHECKS.get(type(env))
     if check is not None:
