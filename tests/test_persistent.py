@@ -473,6 +473,73 @@ async def test_a_persistent_mesh_on_host_agents_runs_on_for_periods_without_a_co
                 await gone(pid)
 
 
+async def test_amesh_list_skips_registry_files_that_hold_no_record(state: Path) -> None:
+    """A file of the mesh registry that holds no record (a damaged or hand-written
+    ``meshes/<pid>.json``) is skipped with a warning naming it: ``amesh list`` still
+    lists the others (it failed outright)."""
+    meshes = state / "meshes"
+    meshes.mkdir(mode=0o700)
+    bad = {os.getppid(): '{"pid": "x"}', 1: "[1, 2]"}  # (live pids: files of the dead go)
+    for pid, text in bad.items():
+        (meshes / f"{pid}.json").write_text(text)
+    with anyio.fail_after(60):
+        async with (
+            open_runtime(lambda: open_transport("abstract")),
+            amesh.ProcMesh({"procs": 1}, name="fine") as procs,
+        ):
+            out = await anyio.run_process([sys.executable, "-m", "amesh", "list"], check=False)
+            pid = procs.pids[0]
+    assert out.returncode == 0, out.stderr.decode()
+    assert f"0: pid {pid}" in out.stdout.decode(), out.stdout.decode()
+    for bad_pid in bad:
+        path = meshes / f"{bad_pid}.json"
+        assert f"skipping {path}, which is not a mesh registry file" in out.stderr.decode()
+
+
+def _agent_pids(home: Path) -> list[int]:
+    """The local agents of state directory ``home`` that run."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"agent" in cmd and str(home / "key").encode() in cmd:
+                found.append(int(entry.name))
+    return found
+
+
+async def test_a_damaged_agent_addr_neither_hides_a_mesh_nor_starts_a_second_agent(
+    state: Path,
+) -> None:
+    """With garbage in ``agent.addr``, the running agent is found through its lock:
+    its mesh is taken over (it was 'no persistent mesh named'), and the next
+    persistent mesh goes to it (a second agent started, orphaning the first). An
+    agent that runs but does not answer is said to, not taken for no mesh."""
+    with anyio.fail_after(120):
+        pids, _ = await _controller("return")
+        (agent,) = _agent_pids(state)
+        (state / "agent.addr").write_text("garbage\n")
+        async with open_runtime(lambda: open_transport("abstract")):
+            procs = await amesh.attach_mesh("train")
+            counters = await procs.actor_mesh("counters")
+            assert list((await counters.get.call()).values()) == [5, 7]
+            more = await amesh.ProcMesh({"procs": 1}, name="more", persistent=True)
+            assert _agent_pids(state) == [agent]
+            os.kill(agent, signal.SIGSTOP)
+            try:
+                (state / "agent.addr").write_text("garbage\n")
+                with pytest.raises(RuntimeError, match=rf"agent \(pid {agent}\) runs but does"):
+                    await amesh.attach_mesh("train", takeover=True)
+            finally:
+                os.kill(agent, signal.SIGCONT)
+            await more.stop()
+            await procs.stop()
+        for pid in pids:
+            await gone(pid)
+
+
 def test_bad_names_and_hosts_are_refused() -> None:
     with pytest.raises(ValueError, match="needs a name"):
         amesh.ProcMesh({"procs": 1}, persistent=True)

@@ -610,12 +610,13 @@ async def serve_agent(
         agent = HostAgent(host, grace)
         inst = ActorInstance(rt, AGENT_ACTOR, AGENT_ACTOR, agent, handlers_of(HostAgent), "", 0)
         rt.add_actor(inst)
+        lock = hold_agent_lock(lock_file, rt.address) if lock_file else None
+        if lock_file and lock is None:
+            log.error("amesh agent: another agent holds %s, stopping", lock_file)
+            return
         # every worker here comes from the zygote: have it ready for the first mesh
         rt.start_soon(start_zygote, rt)
         log.info("amesh agent %d listening on %s", os.getpid(), rt.address)
-        if lock_file and hold_agent_lock(lock_file, rt.address) is None:
-            log.error("amesh agent: another agent holds %s, stopping", lock_file)
-            return
         if announce_to:
             announce(announce_to, rt.address)
         try:
@@ -631,6 +632,8 @@ async def serve_agent(
                     with anyio.move_on_after(5):
                         await child.exited.wait()
                 agent.remove_all_logs()
+            if lock is not None:
+                os.close(lock)  # (its content still names this agent: it is not held)
             if announce_to:
                 _unannounce(announce_to, rt.address)
 

@@ -10,20 +10,25 @@ made readable by its owner only):
   with ``AMESH_KEY_FILE`` naming this file;
 - ``agent.addr``: where the agent listens (loopback tcp), written once it listens and
   removed when it exits;
+- ``agent.run``: locked by the running agent, with its pid and address in it: a
+  controller finds the agent through it when ``agent.addr`` is missing or damaged,
+  and never starts a second one while it is held;
 - ``agent.log``: what it logs;
 - ``meshes/``: the live meshes of this user's controllers on this machine (see
   :mod:`amesh._mesh._registry`).
 
 The agent is started in a session of its own (it is nobody's child: it outlives the
 controller that started it) and exits by itself once it has had no worker and no
-controller for ``AMESH_LOCAL_AGENT_IDLE`` seconds (30 by default). A lock file makes
-sure that two controllers starting at once start one agent.
+controller for ``AMESH_LOCAL_AGENT_IDLE`` seconds (30 by default). A lock file
+(``agent.lock``) makes sure that two controllers starting at once start one agent.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -35,10 +40,22 @@ from .._config import settings
 from .._mesh._registry import set_registry_dir
 from .._transport._auth import write_key_file
 
-__all__ = ["local_agent", "local_agent_address", "local_key", "state_dir"]
+__all__ = [
+    "found_agent",
+    "hold_agent_lock",
+    "local_agent",
+    "local_agent_address",
+    "local_key",
+    "running_agent",
+    "state_dir",
+]
+
+log = logging.getLogger("amesh.hosts")
 
 #: How long a starting agent may take to listen.
 START_TIMEOUT = 30.0
+#: What the local agent's address looks like (it listens on loopback streams)
+_ADDRESS = re.compile(r"stream\+tcp://[0-9.:\[\]a-f]+:[0-9]{1,5}(/[0-9a-f]{12})?")
 
 
 def state_dir() -> Path:
@@ -62,12 +79,58 @@ def local_key() -> Path:
     return path
 
 
+def _address(text: str, where: Path) -> str | None:
+    """``text`` if it is the local agent's address; else None, and a warning."""
+    addr = text.strip()
+    if not addr:
+        return None
+    if not _ADDRESS.fullmatch(addr):
+        log.warning("ignoring %s: %r is not an agent's address", where, addr[:60])
+        return None
+    return addr
+
+
 def local_agent_address() -> str | None:
     """Where the local agent listens, if one announced itself (it may be gone)."""
+    path = state_dir() / "agent.addr"
     try:
-        return (state_dir() / "agent.addr").read_text().strip() or None
+        return _address(path.read_text(errors="replace"), path)
     except FileNotFoundError:
         return None
+
+
+def hold_agent_lock(path: str, addr: str) -> int | None:
+    """Lock ``path`` (``agent.run``) for the agent at ``addr``, this process, and say
+    so in it: the descriptor that holds the lock (closing it lets go), or None when
+    another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {addr}\n".encode())
+    return fd
+
+
+def running_agent() -> tuple[int, str | None] | None:
+    """The pid of the local agent that holds ``agent.run``, and its address (None when
+    it has not written it yet, or it is damaged); None when no agent runs."""
+    path = state_dir() / "agent.run"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, _, addr = os.read(fd, 4096).decode(errors="replace").partition(" ")
+            return (int(pid) if pid.isdigit() else 0), _address(addr, path)
+        return None  # (the lock goes with the descriptor)
+    finally:
+        os.close(fd)
 
 
 async def local_agent(reachable: Callable[[str], Awaitable[bool]]) -> str:
@@ -84,9 +147,36 @@ async def local_agent(reachable: Callable[[str], Awaitable[bool]]) -> str:
         addr = local_agent_address()  # another controller may have started it meanwhile
         if addr is not None and await reachable(addr):
             return addr
-        return await _start()
+        running = await found_agent(reachable)
+        return running if running is not None else await _start()
     finally:
         os.close(lock)
+
+
+async def found_agent(reachable: Callable[[str], Awaitable[bool]]) -> str | None:
+    """The address of the local agent found through its lock (``agent.addr`` did not
+    name it), None when none runs.
+
+    Raises:
+        RuntimeError: one runs but does not answer (a second would orphan its meshes).
+    """
+    with anyio.move_on_after(START_TIMEOUT):
+        while True:
+            running = running_agent()
+            if running is None:
+                return None
+            pid, addr = running
+            if addr is not None:  # (else it is about to write it)
+                break
+            await anyio.sleep(0.02)
+    if addr is not None and await reachable(addr):
+        return addr
+    where = f"at {addr}" if addr is not None else "(it did not say where it listens)"
+    raise RuntimeError(
+        f"this machine's amesh agent (pid {pid}) runs but does not answer {where}: see "
+        f"{state_dir() / 'agent.log'}; stop it (kill {pid}) and a new one starts (its "
+        "persistent meshes end with it)"
+    )
 
 
 def _lock() -> int:
@@ -115,6 +205,7 @@ def _spawn_agent(home: Path) -> None:
     idle = settings().local_agent_idle
     cmd = [sys.executable, "-m", "amesh", "agent", "--listen", "stream+tcp://127.0.0.1:0"]
     cmd += ["--key-file", str(local_key()), "--announce", str(announce)]
+    cmd += ["--lock", str(home / "agent.run")]
     cmd += ["--idle-exit", str(idle)]
     env = dict(os.environ)
     # the workers import what this controller imports

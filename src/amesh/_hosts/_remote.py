@@ -45,7 +45,7 @@ from .._transport._tags import dial_part
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards
-from ._home import local_agent, local_agent_address, local_key
+from ._home import found_agent, local_agent, local_agent_address, local_key
 from ._local import ReadyWaiter
 from ._reach import AgentAddress, parse_agent_address, resolves, why_unreachable
 
@@ -500,15 +500,19 @@ async def _answers(addr: str) -> bool:
 
 async def local_hosts(start: bool) -> HostMesh | None:
     """This machine's local agent (:mod:`._home`) as a HostMesh of one; started when
-    none answers and ``start``, else None when none answers. This process adopts the
-    local key."""
+    none runs and ``start``, else None when none runs. This process adopts the local
+    key.
+
+    Raises:
+        RuntimeError: the agent runs but does not answer.
+    """
     adopt_key_file(str(local_key()))
     if start:
         addr: str | None = await local_agent(_answers)
     else:
         addr = local_agent_address()
-        if addr is not None and not await _answers(addr):
-            addr = None
+        if addr is None or not await _answers(addr):
+            addr = await found_agent(_answers)  # (none runs: no mesh either)
     if addr is None:
         return None
     return await attach([addr], _local=True)
@@ -657,7 +661,7 @@ async def attach_mesh(
     Raises:
         LookupError: no such persistent mesh there.
         RuntimeError: another controller still holds it (the message names it), and
-            not ``takeover``.
+            not ``takeover``; or this machine's agent runs but does not answer.
         SupervisionError: a process of the mesh is gone (it is reported the way a
             failure of a running mesh is).
     """

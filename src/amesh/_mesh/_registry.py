@@ -8,6 +8,9 @@ directory's ``key`` file). It is rewritten (atomically) when a mesh starts, spaw
 stops an actor mesh, restarts processes or stops, and removed when the process's last
 mesh stops. The hosts layer registers where the state directory is (see
 :func:`set_registry_dir`); without one, nothing is written.
+
+A file that does not hold such a record (damaged, or written by hand) is skipped with
+a warning: the others are still listed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
+
+import msgspec
 
 from .._transport._auth import job_key
 
@@ -117,9 +122,56 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class _Entry(msgspec.Struct):
+    """What a reader of a mesh's entry relies on (see ``ProcMesh.listing``)."""
+
+    name: str
+    labels: list[str]
+    sizes: list[int]
+    addrs: list[str]
+    pids: list[int]
+    actors: list[str]
+    controller: str
+
+
+class _Record(msgspec.Struct):
+    """What a reader of a controller's file relies on (see :func:`_write`)."""
+
+    pid: int
+    key: str
+    meshes: list[_Entry]
+
+
+def _checked(path: Path, pid: int) -> dict[str, Any] | None:
+    """The record in ``path`` (the file of controller ``pid``); None, and a warning,
+    when it does not hold one."""
+    try:
+        data = path.read_bytes()
+    except OSError:  # removed meanwhile
+        return None
+    try:
+        record = msgspec.json.decode(data)
+        checked = msgspec.convert(record, _Record)
+        bytes.fromhex(checked.key)
+        if checked.pid != pid:
+            raise ValueError(f"it names pid {checked.pid}")
+        for entry in checked.meshes:
+            if len(entry.addrs) != len(entry.pids):
+                raise ValueError(
+                    f"mesh {entry.name!r} has {len(entry.addrs)} addresses "
+                    f"for {len(entry.pids)} pids"
+                )
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        log.warning("skipping %s, which is not a mesh registry file: %s", path, exc)
+        return None
+    assert isinstance(record, dict)  # (msgspec.convert made a _Record of it)
+    return record
+
+
 def read_all() -> list[dict[str, Any]]:
     """The records of the live controllers on this machine, by pid; the files of
-    controllers that are gone are removed."""
+    controllers that are gone are removed, those that do not hold a record skipped
+    (with a warning)."""
     where = registry_dir()
     if where is None or not where.is_dir():
         return []
@@ -132,8 +184,7 @@ def read_all() -> list[dict[str, Any]]:
         if not _alive(pid):
             path.unlink(missing_ok=True)
             continue
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue  # being replaced, or not ours
-    return sorted(records, key=lambda r: int(r.get("pid", 0)))
+        record = _checked(path, pid)
+        if record is not None:
+            records.append(record)
+    return sorted(records, key=lambda r: int(r["pid"]))
