@@ -540,6 +540,54 @@ async def test_a_damaged_agent_addr_neither_hides_a_mesh_nor_starts_a_second_age
             await gone(pid)
 
 
+_OWN_MESH_FIRST = """
+import sys
+import anyio
+import amesh
+from tests.actors import Counter
+
+async def main():
+    # a mesh of its own first: this process's job key is its own, not the local one
+    scratch = await amesh.ProcMesh({"procs": 1}, name="scratch")
+    own = await scratch.spawn("own", Counter)
+    await own.incr.call_one()
+    if sys.argv[1] == "make":
+        procs = await amesh.ProcMesh({"procs": 2}, name="nb", persistent=True)
+        counters = await procs.spawn("counters", Counter)
+    else:
+        procs = await amesh.attach_mesh("nb")
+        counters = await procs.actor_mesh("counters")
+    print(list((await counters.incr.call()).values()), await own.incr.call_one(), flush=True)
+    listed = await anyio.run_process([sys.executable, "-m", "amesh", "list"])
+    print(listed.stdout.decode(), flush=True)
+    if sys.argv[1] == "stop":
+        await procs.stop()
+
+amesh.run(main)
+"""
+
+
+async def test_a_process_that_ran_a_mesh_of_its_own_makes_and_takes_persistent_meshes(
+    state: Path,
+) -> None:
+    """A controller (a notebook session, say) that started a mesh of its own, under
+    its own job key, then makes a persistent mesh (whose agent and workers hold the
+    key of this machine's persistent meshes) drives both; so does one that takes it
+    over; ``amesh list`` reads each mesh's workers with its key. It raised 'this
+    process already uses another job key'."""
+    with anyio.fail_after(120):
+        for how, counts in (("make", "[1, 1] 2"), ("stop", "[2, 2] 2")):
+            out = await anyio.run_process(
+                [sys.executable, "-c", _OWN_MESH_FIRST, how], cwd=ROOT, check=False
+            )
+            assert out.returncode == 0, out.stderr.decode()
+            first, listed = out.stdout.decode().split("\n", 1)
+            assert first == counts
+            nb = listed[listed.index("nb  {procs: 2}") : listed.index("persistent meshes:")]
+            assert nb.count("now: idle") == 2, listed  # its workers answered `amesh list`
+        assert "no persistent meshes" in await _amesh("list")
+
+
 def test_bad_names_and_hosts_are_refused() -> None:
     with pytest.raises(ValueError, match="needs a name"):
         amesh.ProcMesh({"procs": 1}, persistent=True)

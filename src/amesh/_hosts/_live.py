@@ -122,7 +122,7 @@ async def live_meshes() -> list[dict[str, Any]]:
             continue
         for mesh in record.get("meshes", []):
             mesh["controller_pid"] = record["pid"]
-            mesh["ranks"] = await ask(record["key"], mesh, "status")
+            mesh["ranks"] = await ask(mesh.get("key") or record["key"], mesh, "status")
             found.append(mesh)
     return found
 
@@ -134,7 +134,7 @@ def find(name: str, pid: int | None) -> tuple[str, dict[str, Any]]:
         LookupError: there is none, or several (pid not given).
     """
     matches = [
-        (r["key"], m | {"controller_pid": r["pid"]})
+        (m.get("key") or r["key"], m | {"controller_pid": r["pid"]})
         for r in read_all()
         for m in r.get("meshes", [])
         if m["name"] == name and pid in (None, r["pid"])

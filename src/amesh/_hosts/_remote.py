@@ -40,7 +40,7 @@ from .._runtime._session import bridged
 from .._shape import Shape
 from .._supervision import Supervisor
 from .._transport import open_transport
-from .._transport._auth import adopt_key_file
+from .._transport._auth import adopt_key_file, hold_key, read_key_file
 from .._transport._tags import dial_part
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
@@ -487,8 +487,17 @@ async def attach(
 # -- persistent meshes ---------------------------------------------------------------
 
 
+def _hold_local_key(addrs: Sequence[str] = ()) -> None:
+    """Hold the key of this machine's persistent meshes (:mod:`._home`), proving
+    ourselves with it to ``addrs`` (their agent's and processes'): as this process's
+    job key when it has none yet, else beside it (a notebook session that ran a mesh
+    of its own first)."""
+    hold_key(read_key_file(str(local_key())), addrs)
+
+
 async def _answers(addr: str) -> bool:
     """Whether a host agent answers at ``addr`` (quickly: it is on this machine)."""
+    _hold_local_key([addr])
     mesh = ActorMesh("hosts", AGENT_ACTOR, HostAgent, Shape.from_sizes({"hosts": 1}), [addr], 0)
     try:
         await mesh.info.options(timeout=5.0).call_one()
@@ -500,13 +509,13 @@ async def _answers(addr: str) -> bool:
 
 async def local_hosts(start: bool) -> HostMesh | None:
     """This machine's local agent (:mod:`._home`) as a HostMesh of one; started when
-    none runs and ``start``, else None when none runs. This process adopts the local
-    key.
+    none runs and ``start``, else None when none runs. This process holds the local
+    key (see :func:`_hold_local_key`).
 
     Raises:
         RuntimeError: the agent runs but does not answer.
     """
-    adopt_key_file(str(local_key()))
+    _hold_local_key()
     if start:
         addr: str | None = await local_agent(_answers)
     else:
@@ -515,6 +524,7 @@ async def local_hosts(start: bool) -> HostMesh | None:
             addr = await found_agent(_answers)  # (none runs: no mesh either)
     if addr is None:
         return None
+    _hold_local_key([addr])  # (one just started was not asked yet)
     return await attach([addr], _local=True)
 
 
@@ -666,6 +676,8 @@ async def attach_mesh(
             failure of a running mesh is).
     """
     mesh, record = await find_held(name, hosts, key_file)
+    if hosts is None:  # its processes, and the controller that held it, hold the local key
+        _hold_local_key([addr for addr, _ in record["procs"]] + [str(record["controller"])])
     await _take_from_holder(name, record, takeover)
     per_host = int(record["per_host"])
     placement = _Placement(mesh, per_host, name)

@@ -3,11 +3,12 @@
 Each controller (any process that started a ProcMesh) keeps
 ``<state dir>/meshes/<pid>.json`` (mode 0600, in the user-only state directory of
 :mod:`amesh._hosts._home`): per live mesh its name, shape, workers' addresses and pids
-by slot and actor meshes, with the job key in hex (the same trust as the state
-directory's ``key`` file). It is rewritten (atomically) when a mesh starts, spawns or
-stops an actor mesh, restarts processes or stops, and removed when the process's last
-mesh stops. The hosts layer registers where the state directory is (see
-:func:`set_registry_dir`); without one, nothing is written.
+by slot and actor meshes (and their key, in hex, when it is not the job key), with
+the job key in hex (the same trust as the state directory's ``key`` file). It is
+rewritten (atomically) when a mesh starts, spawns or stops an actor mesh, restarts
+processes or stops, and removed when the process's last mesh stops. The hosts layer
+registers where the state directory is (see :func:`set_registry_dir`); without one,
+nothing is written.
 
 A file that does not hold such a record (damaged, or written by hand) is skipped with
 a warning: the others are still listed.
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from .._transport._auth import job_key
+from .._transport._auth import job_key, key_for
 
 __all__ = [
     "Listed",
@@ -91,13 +92,20 @@ def forget(mesh: Listed) -> None:
         _write()
 
 
+def _keyed(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry``, with the key its workers hold when it is not the job key (a
+    persistent mesh's, in a process that holds two: see ``_auth.hold_key``)."""
+    key = key_for(entry["addrs"][0]) if entry["addrs"] else job_key()
+    return entry if key == job_key() else {**entry, "key": key.hex()}
+
+
 def _write() -> None:
     try:
         where = registry_dir()
         if where is None or _unlisted:
             return
         path = where / f"{os.getpid()}.json"
-        meshes = [e for e in (m.listing() for m in _live.values()) if e is not None]
+        meshes = [_keyed(e) for e in (m.listing() for m in _live.values()) if e is not None]
         if not meshes:
             path.unlink(missing_ok=True)
             return
@@ -132,6 +140,7 @@ class _Entry(msgspec.Struct):
     pids: list[int]
     actors: list[str]
     controller: str
+    key: str = ""
 
 
 class _Record(msgspec.Struct):
@@ -152,7 +161,8 @@ def _checked(path: Path, pid: int) -> dict[str, Any] | None:
     try:
         record = msgspec.json.decode(data)
         checked = msgspec.convert(record, _Record)
-        bytes.fromhex(checked.key)
+        for key in [checked.key, *(e.key for e in checked.meshes)]:
+            bytes.fromhex(key)
         if checked.pid != pid:
             raise ValueError(f"it names pid {checked.pid}")
         for entry in checked.meshes:

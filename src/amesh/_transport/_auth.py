@@ -30,6 +30,13 @@ NNG transports, the first message of every pipe (NNG speaks no handshake of ours
 The listener takes a hello within :data:`HELLO_WINDOW` of its time and remembers its
 nonce as long, so a recorded hello cannot be replayed.
 
+A process may hold other keys beside its job key (:func:`hold_key`: a notebook session
+that ran a mesh of its own, then makes or takes over a persistent mesh, whose agent and
+workers hold the key of this machine's persistent meshes). Its listeners take a proof
+made with any of its keys; it proves itself with the key of the address it dials: one
+given with :func:`hold_key`, or the one a peer at that address proved itself with,
+else the job key. (TLS certificates come from the job key alone.)
+
 Every refusal is counted and logged with the peer, at most one line per
 :data:`LOG_INTERVAL` seconds (a flood of bad connections costs one line).
 """
@@ -47,7 +54,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -71,7 +78,9 @@ __all__ = [
     "describe_peer",
     "has_key",
     "hello",
+    "hold_key",
     "job_key",
+    "key_for",
     "mac",
     "read_key_file",
     "write_key_file",
@@ -107,6 +116,10 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 _key: bytes | None = None
 _key_lock = threading.Lock()
+#: the keys this process holds beside its job key (see :func:`hold_key`)
+_other_keys: list[bytes] = []
+#: address -> the key (not the job key) to prove ourselves with when dialling it
+_dial_keys: dict[str, bytes] = {}
 
 
 def _own_sha256() -> Any:
@@ -212,6 +225,39 @@ def adopt_key_file(path: str) -> None:
         _key = key
 
 
+def hold_key(key: bytes, addrs: Iterable[str] = ()) -> None:
+    """Hold ``key`` too: as this process's job key when it has none yet, else beside
+    it, proving ourselves with it to ``addrs`` (its holders we dial first; those that
+    dial us are known by their proof).
+
+    Raises:
+        ValueError: ``key`` is not :data:`KEY_SIZE` bytes.
+    """
+    global _key
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"a job key has {KEY_SIZE} bytes, not {len(key)}")
+    with _key_lock:
+        if _key is None:
+            _key = bytes(key)
+        if hmac.compare_digest(_key, key):
+            return
+        if not any(hmac.compare_digest(k, key) for k in _other_keys):
+            _other_keys.append(bytes(key))
+        for addr in addrs:
+            _dial_keys[addr] = key
+
+
+def key_for(addr: str) -> bytes:
+    """The key to prove ourselves with to the process at ``addr`` (see
+    :func:`hold_key`); the job key unless it holds another."""
+    return _dial_keys.get(addr) or job_key()
+
+
+def _keys() -> list[bytes]:
+    """Every key this process holds, its job key first."""
+    return [job_key(), *_other_keys]
+
+
 def adopt_key(key: bytes) -> None:
     """Use ``key`` (the parent's) from now on; a worker does this before it opens its
     transport.
@@ -242,9 +288,21 @@ def borrowed_key(key: bytes) -> Iterator[None]:
             _key = held
 
 
-def mac(data: bytes) -> bytes:
-    """HMAC-SHA256 of ``data`` under this job's key (the 32 bytes of a proof)."""
-    return hmac.new(job_key(), data, _sha256).digest()
+def mac(data: bytes, key: bytes | None = None) -> bytes:
+    """HMAC-SHA256 of ``data`` under ``key``, this job's key by default (the 32 bytes
+    of a proof)."""
+    return hmac.new(job_key() if key is None else key, data, _sha256).digest()
+
+
+def _proven(proof: bytes, data: bytes, peer: bytes) -> bool:
+    """Whether ``proof`` is the MAC of ``data`` under a key of ours; a peer that used
+    another than the job key is dialled with that one from then on."""
+    for i, key in enumerate(_keys()):
+        if hmac.compare_digest(proof, mac(data, key)):
+            if i:
+                _dial_keys[peer.decode(errors="replace")] = key
+            return True
+    return False
 
 
 def _address_bytes(addr: str) -> bytes:
@@ -262,8 +320,8 @@ def _bound(target: str) -> bytes:
 # -- stream transport ------------------------------------------------------------------
 
 
-def _stream_proof(nonce: bytes, target: str, dialer: bytes) -> bytes:
-    return mac(_STREAM_TAG + nonce + _bound(target) + dialer)
+def _stream_signed(nonce: bytes, target: str, dialer: bytes) -> bytes:
+    return _STREAM_TAG + nonce + _bound(target) + dialer
 
 
 def answer(challenge: bytes, target: str, own: str) -> bytes:
@@ -280,7 +338,8 @@ def answer(challenge: bytes, target: str, own: str) -> bytes:
     if len(challenge) != CHALLENGE_LEN or not challenge.startswith(_CHALLENGE):
         raise Refused("the peer did not send an amesh challenge")
     me = _address_bytes(own)
-    return _ANSWER + _U16.pack(len(me)) + me + _stream_proof(challenge[4:], target, me)
+    proof = mac(_stream_signed(challenge[4:], target, me), key_for(target))
+    return _ANSWER + _U16.pack(len(me)) + me + proof
 
 
 class Gate:
@@ -332,7 +391,7 @@ class Gate:
             return None
         dialer = bytes(buf[_ANSWER_HEAD : _ANSWER_HEAD + size])
         proof = bytes(buf[end - _PROOF : end])
-        if not hmac.compare_digest(proof, _stream_proof(self._nonce, self._target, dialer)):
+        if not _proven(proof, _stream_signed(self._nonce, self._target, dialer), dialer):
             raise Refused("wrong proof (not of this job)")
         try:
             self.peer = dialer.decode()
@@ -371,15 +430,16 @@ def check_peer(sock: Any) -> tuple[str, str]:
 # -- NNG transports --------------------------------------------------------------------
 
 
-def _nng_proof(signed: bytes, target: str, dialer: bytes) -> bytes:
-    return mac(_NNG_TAG + signed + _bound(target) + dialer)
+def _nng_signed(signed: bytes, target: str, dialer: bytes) -> bytes:
+    return _NNG_TAG + signed + _bound(target) + dialer
 
 
 def hello(target: str, own: str) -> bytes:
     """The first message of an NNG link from ``own`` to the listener at ``target``."""
     me = _address_bytes(own)
     signed = secrets.token_bytes(_HELLO_NONCE) + _U64.pack(time.time_ns())
-    return _HELLO + signed + _U16.pack(len(me)) + me + _nng_proof(signed, target, me)
+    proof = mac(_nng_signed(signed, target, me), key_for(target))
+    return _HELLO + signed + _U16.pack(len(me)) + me + proof
 
 
 class HelloCheck:
@@ -410,7 +470,7 @@ class HelloCheck:
         signed = data[len(_HELLO) : _HELLO_HEAD - _U16.size]
         dialer = data[_HELLO_HEAD : _HELLO_HEAD + size]
         proof = data[_HELLO_HEAD + size :]
-        if not hmac.compare_digest(proof, _nng_proof(signed, self._target, dialer)):
+        if not _proven(proof, _nng_signed(signed, self._target, dialer), dialer):
             raise Refused("wrong proof (not of this job)")
         nonce = signed[:_HELLO_NONCE]
         (sent,) = _U64.unpack_from(signed, _HELLO_NONCE)
