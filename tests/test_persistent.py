@@ -588,6 +588,32 @@ async def test_a_process_that_ran_a_mesh_of_its_own_makes_and_takes_persistent_m
         assert "no persistent meshes" in await _amesh("list")
 
 
+_SESSION_OWN_MESH_FIRST = """
+import amesh
+from tests.actors import Counter
+
+scratch = amesh.ProcMesh({"procs": 1}).get()
+own = scratch.spawn("own", Counter).get()
+own.incr.call_one().get()
+procs = amesh.ProcMesh({"procs": 2}, name="nb", persistent=True).get()
+counters = procs.spawn("counters", Counter).get()
+print(list(counters.incr.call().get().values()), own.incr.call_one().get(), flush=True)
+procs.stop().get()
+"""
+
+
+async def test_a_session_that_ran_a_mesh_of_its_own_makes_a_persistent_mesh(
+    state: Path,
+) -> None:
+    """The same in a session (synchronous code, as a notebook's cells run it)."""
+    with anyio.fail_after(60):
+        out = await anyio.run_process(
+            [sys.executable, "-c", _SESSION_OWN_MESH_FIRST], cwd=ROOT, check=False
+        )
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode() == "[1, 1] 2\n"
+
+
 def test_bad_names_and_hosts_are_refused() -> None:
     with pytest.raises(ValueError, match="needs a name"):
         amesh.ProcMesh({"procs": 1}, persistent=True)
