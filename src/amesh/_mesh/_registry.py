@@ -95,7 +95,8 @@ def forget(mesh: Listed) -> None:
 def _keyed(entry: dict[str, Any]) -> dict[str, Any]:
     """``entry``, with the key its workers hold when it is not the job key (a
     persistent mesh's, in a process that holds two: see ``_auth.hold_key``)."""
-    key = key_for(entry["addrs"][0]) if entry["addrs"] else job_key()
+    addrs = entry.get("addrs")
+    key = key_for(addrs[0]) if addrs else job_key()
     return entry if key == job_key() else {**entry, "key": key.hex()}
 
 
