@@ -279,7 +279,7 @@ async def test_a_silent_peer_is_dropped_at_the_handshake_deadline(
 ) -> None:
     """A peer that never answers is closed, for that reason, once the handshake
     deadline has passed."""
-    monkeypatch.setattr("amesh._transport._stream_io.HANDSHAKE_TIMEOUT", 0.2)
+    monkeypatch.setattr(listener, "deadline", 0.2)
     family, sockaddr = wire.parse_address(listener.address)
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:

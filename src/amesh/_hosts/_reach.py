@@ -20,14 +20,17 @@ import re
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 from anyio.streams.tls import TLSStream
 
 from .._config import settings
-from .._transport import _tls
 from .._transport._auth import CHALLENGE_LEN
+
+if TYPE_CHECKING:
+    from .._transport._tls import Material
 
 __all__ = ["PROBE_TIMEOUT", "AgentAddress", "parse_agent_address", "resolves", "why_unreachable"]
 
@@ -192,7 +195,7 @@ def _another_address(addr: AgentAddress, ip: str) -> str:
     )
 
 
-def _load_own_certificate(ctx: ssl.SSLContext, material: _tls.Material) -> None:
+def _load_own_certificate(ctx: ssl.SSLContext, material: Material) -> None:
     """Load this process's certificate and key into ``ctx`` through a memory file (the
     key never touches a disk), so that the listener finishes its handshake; nothing
     where there are no memory files (the listener then refuses us after its own
@@ -210,6 +213,8 @@ def _load_own_certificate(ctx: ssl.SSLContext, material: _tls.Material) -> None:
 async def _shows_our_ca(stream: anyio.abc.SocketStream) -> bool | None:
     """Whether the TLS listener on ``stream`` shows a certificate of this job's CA;
     None when it does not finish its handshake in time."""
+    from .._transport import _tls  # pynng: only a controller that dials TLS needs it
+
     material = _tls.material()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(cadata=material.ca)
