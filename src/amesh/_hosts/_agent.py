@@ -55,6 +55,7 @@ from .._config import settings
 from .._debug import current_listener, debug_env
 from .._limits import TASKS_PER_PROCESS, raise_open_files, raise_processes
 from .._mesh._host import ProcessLike
+from .._mesh._supervisor import pid_alive
 from .._runtime._context import call_context
 from .._runtime._logfile import read as read_logs
 from .._runtime._mailbox import ActorInstance
@@ -488,19 +489,9 @@ def _make_logs_dir() -> Path:
     root.mkdir(mode=0o700, exist_ok=True)
     for old in root.iterdir():
         pid = old.name.split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _read_some(sock: socket.socket, timeout: float) -> bytes | None:
