@@ -49,6 +49,34 @@ def test_import_does_not_pull_in_torch_or_trio() -> None:
     assert out.stdout.strip() == "[]"
 
 
+# The zygote's rehearsal (a one-process mesh on the in-process host) is the product
+# code that once imported amesh.testing; it runs here as it does before a fork batch.
+_NO_TESTING = textwrap.dedent(
+    """
+    import sys
+
+    import amesh
+    from amesh._hosts import _zygote
+
+    def testing() -> list[str]:
+        return sorted(m for m in sys.modules if m.split(".")[:2] == ["amesh", "testing"])
+
+    assert testing() == [], f"import amesh imported {testing()}"
+    _zygote._rehearse()
+    assert _zygote._rehearsed, "the rehearsal failed (see its debug log)"
+    assert testing() == [], f"the zygote's rehearsal imported {testing()}"
+    """
+)
+
+
+def test_product_code_imports_no_testing_module() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AMESH_TRANSPORT_IMPL"}
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TESTING], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr
+
+
 # Frames over the default transport, then a ProcMesh on it: pynng is in neither the
 # controller nor a worker (forked by the zygote, which preloads only what is chosen).
 _NO_PYNNG = textwrap.dedent(

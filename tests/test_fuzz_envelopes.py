@@ -70,7 +70,7 @@ def test_every_address_amesh_listens_on_is_an_address() -> None:
     """The form decode accepts covers every transport's addresses, tests' included."""
     from amesh._transport import StreamTransport
     from amesh._transport._nng_pipes import fresh_address
-    from amesh.testing._memory import MemoryTransport
+    from amesh.testing import MemoryTransport
 
     listening: list[Any] = [StreamTransport(s) for s in ("abstract", "ipc", "tcp")]
     listening.append(MemoryTransport())

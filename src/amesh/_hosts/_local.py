@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import uuid
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -23,84 +22,22 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import sniffio
 
-from .. import _wire
 from .._bootstrap import Bootstrap
 from .._debug import debug_env
-from .._errors import SupervisionError
 from .._limits import TASKS_PER_PROCESS
-from .._mesh._host import ProcessLike, ProcHandle, exit_cause, set_default_host
+from .._mesh._host import ProcessLike, ProcHandle, set_default_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
 from .._transport._auth import job_key
 from ._home import state_dir
+from ._ready import ReadyWaiter
 
 if TYPE_CHECKING:
     from ._zygote import Zygote, ZygoteProcess
 
-__all__ = ["LocalHost", "ReadyWaiter", "launch_worker", "this_host"]
-
-#: How long a worker may take from exec (or fork) to listening.
-STARTUP_TIMEOUT = 60.0
+__all__ = ["LocalHost", "launch_worker", "this_host"]
 
 log = logging.getLogger("amesh.hosts")
-
-
-class ReadyWaiter:
-    """Waits for the Ready of the worker that is started with :attr:`token`."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self.token = uuid.uuid4().hex
-        self.msg: _wire.Ready | None = None
-        self._rt = rt
-        self._ready = anyio.Event()
-        rt.ready_waiters[self.token] = self._on_ready
-
-    def _on_ready(self, msg: _wire.Ready) -> None:
-        self.msg = msg
-        self._ready.set()
-
-    async def wait(self) -> _wire.Ready:
-        await self._ready.wait()
-        assert self.msg is not None
-        return self.msg
-
-    def cancel(self) -> None:
-        self._rt.ready_waiters.pop(self.token, None)
-
-    async def started(self, process: ProcessLike, pid: int, where: str = "") -> _wire.Ready:
-        """The Ready of ``process`` (pid ``pid``, on host ``where``: "" for this one).
-
-        Raises:
-            SupervisionError: it exited first, or did not report within
-                :data:`STARTUP_TIMEOUT`; it is killed and reaped then.
-        """
-        try:
-            with anyio.move_on_after(STARTUP_TIMEOUT):
-                async with anyio.create_task_group() as tg:
-
-                    async def watch() -> None:
-                        await process.wait()
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(watch)
-                    await self.wait()
-                    tg.cancel_scope.cancel()
-            if self.msg is None:
-                if process.returncode is not None:
-                    why = exit_cause(process)
-                else:
-                    why = f"did not report within {STARTUP_TIMEOUT:.0f} s"
-                on = f" on {where}" if where else ""
-                raise SupervisionError(f"worker process {pid}{on} {why} while starting")
-            return self.msg
-        except BaseException:
-            self.cancel()
-            with anyio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.kill()
-                await process.wait()
-                await process.aclose()
-            raise
 
 
 class LocalHost:

@@ -46,8 +46,8 @@ from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards
 from ._home import found_agent, local_agent, local_agent_address, local_key
-from ._local import ReadyWaiter
 from ._reach import AgentAddress, parse_agent_address, resolves, why_unreachable
+from ._ready import ReadyWaiter
 
 __all__ = ["HostMesh", "RemoteProcess", "attach", "attach_mesh", "held_meshes"]
 

@@ -1039,7 +1039,7 @@ _kept: set[int] = set()
 
 def _rehearse() -> None:
     """Play a worker's part once here, before forking any: a one-process mesh in this
-    process (the in-process host of :mod:`amesh.testing`, on the stream transport), an
+    process (the in-process host, :mod:`._inprocess`, on the stream transport), an
     actor class sent by value as a script's is, and each adverb a few times. What a
     child would otherwise do first, writing on pages it shares with the zygote, is
     then done once: the interpreter's specialized instructions and their caches in
@@ -1068,7 +1068,7 @@ def _rehearse() -> None:
     from .._runtime import _capture
     from .._runtime._runtime import open_runtime
     from .._transport import _auth, open_transport
-    from ..testing._inprocess import InProcessHost
+    from ._inprocess import InProcessHost
 
     def start() -> None:
         # What a worker's start does before its loop runs, less what it changes for

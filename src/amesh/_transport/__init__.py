@@ -21,6 +21,7 @@ from typing import Protocol
 from .._config import settings
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._hybrid import TLS_PREFIX, HostStreams, HybridTransport, local_route, open_tls
+from ._memory import MemoryTransport
 from ._stream import StreamBeat, StreamTransport, is_stream_address
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "HeartbeatSender",
     "HostStreams",
     "HybridTransport",
+    "MemoryTransport",
     "StreamTransport",
     "Transport",
     "TransportClosed",

@@ -13,13 +13,13 @@
 
 from __future__ import annotations
 
+from .._hosts import InProcessHost as InProcessHost
 from .._runtime._runtime import open_runtime as _open_runtime
+from .._transport import MemoryTransport as MemoryTransport
 from .._transport import Transport as _Transport
 from ._faulty import FaultyTransport as FaultyTransport
-from ._inprocess import InProcessHost as InProcessHost
 from ._leaks import LeakError as LeakError
 from ._leaks import no_leaks as no_leaks
-from ._memory import MemoryTransport as MemoryTransport
 
 __all__ = [
     "FaultyTransport",

@@ -1,4 +1,7 @@
-"""An in-memory transport: runtimes in one process (one event loop) talk directly."""
+"""An in-memory transport: runtimes in one process (one event loop) talk directly.
+
+The in-process host (:mod:`amesh._hosts._inprocess`) gives its workers one when the
+controller runs on one; :mod:`amesh.testing` exports it."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ from collections.abc import Callable
 
 import anyio
 
-from .._transport import Deliver, TransportClosed, TransportStats
-from .._wire import Frame, join
+from ._base import Deliver, TransportClosed, TransportStats
+from ._frame import Frame, join
 
 __all__ = ["MemoryTransport"]
 

@@ -3,7 +3,9 @@
 ``ProcMesh(per_host=..., host=InProcessHost())`` behaves like a mesh of real
 processes (same runtime, same messages, same supervision) but starts in microseconds,
 runs on asyncio and trio alike, and lets a test kill, stop and continue a "process"
-deterministically.
+deterministically. :mod:`amesh.testing` exports it; it lives here, in the product,
+because the zygote's rehearsal (:func:`amesh._hosts._zygote._rehearse`) plays a
+one-process mesh on it, and product code never imports test code.
 """
 
 from __future__ import annotations
@@ -12,19 +14,16 @@ import itertools
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from .. import _wire
-from .._hosts._local import ReadyWaiter
 from .._mesh._host import ProcHandle
+from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
-from .._transport import Transport, open_transport
-from ._memory import MemoryTransport
-
-if TYPE_CHECKING:
-    from .._proc_mesh import ProcMesh
+from .._transport import MemoryTransport, Transport, open_transport
+from ._ready import ReadyWaiter
 
 __all__ = ["InProcessHost", "InProcessWorker"]
 
@@ -132,8 +131,6 @@ class InProcessHost:
 
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, **kwargs: Any) -> ProcMesh:
         """A ProcMesh of in-process workers; enter or await it to start them."""
-        from .._proc_mesh import ProcMesh
-
         return ProcMesh(per_host, host=self, **kwargs)
 
     def _transport(self, scheme: str, host: str) -> Transport:
