@@ -125,8 +125,8 @@ def _payload(size: int) -> bytes:
 def _ssl_context(server: bool) -> ssl.SSLContext:
     """TLS 1.3 only, the job CA the only one trusted, a certificate of the job shown
     and required at both ends (the listener's must name ``_tls.SERVER_NAME``)."""
+    from amesh._identity import job_key
     from amesh._transport import _tls
-    from amesh._transport._auth import job_key
 
     m = _tls.job_material(job_key())
     purpose = ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH
@@ -394,7 +394,7 @@ async def ssl_client(server: str, args: argparse.Namespace) -> dict[str, Any]:
 def role(args: argparse.Namespace) -> None:
     import anyio
 
-    from amesh._transport._auth import adopt_key
+    from amesh._identity import adopt_key
 
     adopt_key(bytes.fromhex(sys.stdin.readline()))  # the driver's job key comes first
     main: Callable[[], Awaitable[Any]]
@@ -583,7 +583,7 @@ def main() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    from amesh._transport._auth import job_key
+    from amesh._identity import job_key
 
     key = job_key()
     load_before = os.getloadavg()[0]

@@ -40,9 +40,9 @@ from typing import Any
 import anyio
 
 import amesh
+from amesh._identity import job_key
 from amesh._runtime._runtime import open_runtime
 from amesh._transport import open_transport
-from amesh._transport._auth import job_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scale import _faults, _proc_cpu, _pss_mib

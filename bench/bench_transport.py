@@ -246,7 +246,7 @@ async def ping(impl: str, addr: str, m: int) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from amesh._transport._auth import adopt_key
+    from amesh._identity import adopt_key
 
     adopt_key(bytes.fromhex(sys.stdin.readline()))  # the driver's job key comes first
     if args.pin:
@@ -266,7 +266,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def job_key() -> bytes:
-    from amesh._transport._auth import job_key
+    from amesh._identity import job_key
 
     return job_key()
 

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 
-from amesh import ProcMesh, _codec, _wire
+from amesh import ProcMesh, _codec, _identity, _wire
 from amesh._runtime._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
 from amesh._transport import _stream_wire as wire
@@ -415,7 +415,7 @@ async def test_the_key_is_in_no_environment_nor_command_line(
         monkeypatch.setenv("AMESH_ZYGOTE", "0")
     else:
         monkeypatch.delenv("AMESH_ZYGOTE", raising=False)
-    key = _auth.job_key()
+    key = _identity.job_key()
     spellings = [key, key.hex().encode(), base64.b64encode(key), base64.b64encode(key)[:40]]
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 1}) as procs:
@@ -438,7 +438,7 @@ def test_a_proof_is_hmac_sha256_of_the_job_key() -> None:
     HMAC, for every length around SHA-256's block."""
     import hmac
 
-    key = _auth.job_key()
+    key = _identity.job_key()
     for size in (0, 1, 63, 64, 65, 200, 4096):
         data = os.urandom(size)
         assert _auth.mac(data) == hmac.digest(key, data, "sha256"), size
@@ -454,16 +454,16 @@ def test_a_proof_is_hmac_sha256_of_the_job_key() -> None:
 def test_a_borrowed_key_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """borrowed_key (the zygote's rehearsal, before it serves a job): the key within
     the block, and after it, on an error too, the one held before, or none."""
-    monkeypatch.setattr(_auth, "_key", None)
+    monkeypatch.setattr(_identity, "_key", None)
     other = bytes(range(32))
-    with _auth.borrowed_key(other):
-        assert _auth.job_key() == other
-    assert not _auth.has_key()
-    held = _auth.job_key()  # (made now)
-    with pytest.raises(RuntimeError, match="inside"), _auth.borrowed_key(other):
-        assert _auth.job_key() == other
+    with _identity.borrowed_key(other):
+        assert _identity.job_key() == other
+    assert not _identity.has_key()
+    held = _identity.job_key()  # (made now)
+    with pytest.raises(RuntimeError, match="inside"), _identity.borrowed_key(other):
+        assert _identity.job_key() == other
         raise RuntimeError("inside")
-    assert _auth.job_key() == held
-    with pytest.raises(ValueError, match="32 bytes"), _auth.borrowed_key(b"short"):
+    assert _identity.job_key() == held
+    with pytest.raises(ValueError, match="32 bytes"), _identity.borrowed_key(b"short"):
         pass
-    assert _auth.job_key() == held
+    assert _identity.job_key() == held

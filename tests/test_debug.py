@@ -18,7 +18,7 @@ import pexpect
 import pytest
 
 from amesh import _debug
-from amesh._transport._auth import CHALLENGE_LEN, Gate, Refused
+from amesh._transport import CHALLENGE_LEN, Gate, Refused
 from amesh._transport._stream_wire import fresh_address, parse_address
 
 #: How long any one expected output may take (a worker starts in well under this).

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 
-from amesh import Actor, ActorError, ProcMesh, endpoint
+from amesh import Actor, ActorError, ProcMesh, _identity, endpoint
 from amesh._hosts._agent import parse_listen
 from amesh._hosts._remote import _agent_address
 from amesh._runtime._runtime import current_runtime
@@ -26,7 +26,6 @@ from amesh._transport import (
     HostStreams,
     HybridTransport,
     Transport,
-    _auth,
     _tls,
     open_transport,
 )
@@ -215,16 +214,16 @@ async def test_the_tls_side_waits_for_the_job_key(
     """A process that holds no job key yet (a controller about to adopt its agents')
     reserves its port and opens the TLS listener there at its first send to a tls+tcp
     address, with the key it holds by then; a serve() already running serves it."""
-    key = _auth.job_key()
-    monkeypatch.setattr(_auth, "_key", None)
+    key = _identity.job_key()
+    monkeypatch.setattr(_identity, "_key", None)
     a = hybrid()
     made.append(a)
-    assert not _auth.has_key()  # opening it chose no key
+    assert not _identity.has_key()  # opening it chose no key
     port = int(dial_part(a.address).rsplit(":", 1)[1])
     with socket.socket() as other, pytest.raises(OSError):
         other.bind((LOOPBACK, port))  # the port is ours meanwhile
     assert a.routes()["tls"].frames_sent == 0
-    _auth.adopt_key(key)  # as attach(key_file=...) does
+    _identity.adopt_key(key)  # as attach(key_file=...) does
     b, inbox_a, inbox_b = ExtTransport("tls+tcp"), Inbox(), Inbox()
     made.append(b)
     with anyio.fail_after(30):

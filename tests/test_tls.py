@@ -30,6 +30,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from amesh import _identity
 from amesh._transport import (
     HybridTransport,
     StreamTransport,
@@ -60,7 +61,7 @@ def free_port() -> int:
 
 def other_material() -> _tls.Material:
     """Certificates of another job: another CA, and a leaf it signed."""
-    return _tls.job_material(secrets.token_bytes(_auth.KEY_SIZE))
+    return _tls.job_material(secrets.token_bytes(_identity.KEY_SIZE))
 
 
 class TlsImpl(Impl):
@@ -409,7 +410,7 @@ def public(c: x509.Certificate) -> bytes:
 def test_the_job_ca_comes_from_the_job_key() -> None:
     """Every process of a job derives the same CA from the key, so each one's leaf is
     verified by every other's CA; another key makes another CA."""
-    key = secrets.token_bytes(_auth.KEY_SIZE)
+    key = secrets.token_bytes(_identity.KEY_SIZE)
     one, two = _tls.job_material(key), _tls.job_material(key)
     ca1, ca2 = cert(one.ca), cert(two.ca)
     assert public(ca1) == public(ca2) and ca1.subject == ca2.subject
@@ -437,12 +438,12 @@ def test_certificates_are_cached_per_job_key_and_renewed(
     first = _tls.material()
     assert _tls.material() is first
     assert _tls.server_config() is _tls.server_config()
-    key = _auth.job_key()
+    key = _identity.job_key()
     try:
-        _auth.adopt_key(secrets.token_bytes(_auth.KEY_SIZE))
+        _identity.adopt_key(secrets.token_bytes(_identity.KEY_SIZE))
         assert public(cert(_tls.material().ca)) != public(cert(first.ca))
     finally:
-        _auth.adopt_key(key)
+        _identity.adopt_key(key)
     again = _tls.material()
     assert public(cert(again.ca)) == public(cert(first.ca))
     # made again once half their validity has passed
@@ -471,7 +472,7 @@ def test_a_prepared_job_ca_serves_every_leaf_until_it_ages(
     its validity, or for another key, a new CA is made; a fork keeps it."""
     for name in ("_job_ca", "_entry", "_lock"):  # put back afterwards
         monkeypatch.setattr(_tls, name, getattr(_tls, name))
-    key = secrets.token_bytes(_auth.KEY_SIZE)
+    key = secrets.token_bytes(_identity.KEY_SIZE)
     _tls.prepare(key)
     made = _tls._job_ca
     assert made is not None
@@ -485,7 +486,7 @@ def test_a_prepared_job_ca_serves_every_leaf_until_it_ages(
     aged = _tls.job_material(key, now=made.renew_at + 1)
     assert aged.ca != made.pem and public(cert(aged.ca)) == public(cert(made.pem))
     assert aged.renew_at > made.renew_at
-    stranger = _tls.job_material(secrets.token_bytes(_auth.KEY_SIZE))
+    stranger = _tls.job_material(secrets.token_bytes(_identity.KEY_SIZE))
     assert public(cert(stranger.ca)) != public(cert(made.pem))
 
 

@@ -19,7 +19,7 @@ import anyio
 import pynng
 import pytest
 
-from amesh import _ext, _wire
+from amesh import _ext, _identity, _wire
 from amesh._transport import (
     StreamTransport,
     Transport,
@@ -519,15 +519,15 @@ async def test_unproven_peers_are_refused(make: Factory, proof: str) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(b.serve, inbox.deliver)
             if proof == "wrong key":
-                key = _auth.job_key()
-                _auth.adopt_key(bytes(32))
+                key = _identity.job_key()
+                _identity.adopt_key(bytes(32))
                 try:
                     async with make.impl.raw_sender(b.address) as raw:
-                        _auth.adopt_key(key)
+                        _identity.adopt_key(key)
                         raw(frame)
                         await raw.closed()
                 finally:
-                    _auth.adopt_key(key)
+                    _identity.adopt_key(key)
             else:
                 async with make.impl.raw_sender(b.address, proven=False) as raw:
                     raw(b"\xff" * 100 if proof == "garbage" else frame)

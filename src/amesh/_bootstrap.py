@@ -33,7 +33,7 @@ class Bootstrap(msgspec.Struct, frozen=True):
     heartbeat_period: float
     #: whether the worker may ask for the kernel's parent-death signal
     pdeathsig: bool
-    #: the job key (:mod:`amesh._transport._auth`), adopted before the worker listens
+    #: the job key (:mod:`amesh._identity`), adopted before the worker listens
     key: bytes
     #: how long its supervisor waits for a heartbeat: the worker stops sending them
     #: once its main thread has been stuck in the kernel this long

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "keygen":
-        from ._transport._auth import write_key_file
+        from ._identity import write_key_file
 
         try:
             write_key_file(args.path)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "agent":
         from ._hosts._agent import DEFAULT_GRACE, parse_listen
         from ._hosts._agent import main as agent_main
-        from ._transport._auth import read_key_file
+        from ._identity import read_key_file
 
         try:
             parse_listen(args.listen)

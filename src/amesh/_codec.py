@@ -70,7 +70,7 @@ import cloudpickle
 
 from ._codec_tensor import reduce_tensor
 from ._config import settings
-from ._transport._auth import job_key
+from ._identity import job_key
 
 __all__ = [
     "OOB_THRESHOLD",

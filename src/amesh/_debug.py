@@ -59,19 +59,12 @@ from anyio.from_thread import run as run_on_loop
 from anyio.lowlevel import EventLoopToken, current_token
 
 from ._config import settings, take_internal
+from ._identity import job_key
 from ._runtime._context import call_context
 from ._runtime._pausable import debugged_here, paused_outside, wait_off_loop
 from ._runtime._session import bridged
 from ._tracebacks import RUNNERS
-from ._transport._auth import (
-    HANDSHAKE_TIMEOUT,
-    Gate,
-    Refusals,
-    Refused,
-    check_peer,
-    job_key,
-    mac,
-)
+from ._transport import HANDSHAKE_TIMEOUT, Gate, Refusals, Refused, check_peer, mac
 from ._transport._stream_wire import StreamBeat, fresh_address, parse_address
 
 __all__ = [
@@ -918,7 +911,7 @@ def cli(files: Path, pid: int | None, wait: float = 0.0) -> int:
 
 
 def _cli(files: Path, pid: int | None, wait: float) -> int:
-    from ._transport._auth import adopt_key
+    from ._identity import adopt_key
 
     deadline = time.monotonic() + wait
     late = f"amesh debug: no rank of yours paused within {wait:g} s (--wait)"

@@ -55,6 +55,7 @@ from . import _debug, _wire
 from ._actor import handlers_of
 from ._bootstrap import Bootstrap, read_bootstrap
 from ._config import loop_options, settings, take_internal
+from ._identity import adopt_key
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime import _capture, _stackdump
 from ._runtime._context import call_context
@@ -62,7 +63,6 @@ from ._runtime._logfile import LogWriter
 from ._runtime._mailbox import ActorInstance
 from ._runtime._runtime import Runtime, open_runtime
 from ._transport import Transport, heartbeat_sender, local_route, open_transport
-from ._transport._auth import adopt_key
 from ._transport._stream_wire import HEADER, StreamBeat, is_stream_address
 
 if TYPE_CHECKING:

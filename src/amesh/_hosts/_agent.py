@@ -53,6 +53,7 @@ from .. import _codec, _limits
 from .._actor import Actor, endpoint, handlers_of
 from .._config import settings
 from .._debug import current_listener, debug_env
+from .._identity import adopt_key, read_key_file
 from .._limits import TASKS_PER_PROCESS, raise_open_files, raise_processes
 from .._mesh._host import ProcessLike
 from .._mesh._supervisor import pid_alive
@@ -62,7 +63,6 @@ from .._runtime._mailbox import ActorInstance
 from .._runtime._runtime import Runtime, current_runtime, open_runtime
 from .._runtime._stackdump import stacks_by_signal
 from .._transport import HostStreams, HybridTransport, Transport, default_impl, open_tls
-from .._transport._auth import adopt_key, read_key_file
 from .._transport._guard import Limits
 from ._home import hold_agent_lock, state_dir
 from ._local import launch_worker, start_zygote

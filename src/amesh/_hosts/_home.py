@@ -37,8 +37,8 @@ from pathlib import Path
 import anyio
 
 from .._config import settings
+from .._identity import write_key_file
 from .._mesh._registry import set_registry_dir
-from .._transport._auth import write_key_file
 
 __all__ = [
     "found_agent",

@@ -14,6 +14,7 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._errors import SupervisionError
+from .._identity import adopt_key
 from .._mesh._registry import read_all
 from .._proc_agent import AGENT_KEY, CONTROLLER_KEY, ControllerAgent, ProcAgent
 from .._runtime._logfile import rank_of
@@ -21,7 +22,6 @@ from .._runtime._runtime import open_runtime
 from .._runtime._stackdump import DUMP_TIMEOUT, LOOP_TIMEOUT
 from .._shape import Shape
 from .._transport import open_transport
-from .._transport._auth import adopt_key
 
 __all__ = [
     "ASK_TIMEOUT",

@@ -24,11 +24,11 @@ import sniffio
 
 from .._bootstrap import Bootstrap
 from .._debug import debug_env
+from .._identity import job_key
 from .._limits import TASKS_PER_PROCESS
 from .._mesh._host import ProcessLike, ProcHandle, set_default_host
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
-from .._transport._auth import job_key
 from ._home import state_dir
 from ._ready import ReadyWaiter
 

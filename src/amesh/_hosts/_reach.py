@@ -27,7 +27,7 @@ import anyio.abc
 from anyio.streams.tls import TLSStream
 
 from .._config import settings
-from .._transport._auth import CHALLENGE_LEN
+from .._transport import CHALLENGE_LEN
 
 if TYPE_CHECKING:
     from .._transport._tls import Material

@@ -31,6 +31,7 @@ import anyio
 from .._actor_mesh import ActorMesh
 from .._debug import RemoteDebugger, set_remote_debuggers
 from .._errors import ActorError, SupervisionError
+from .._identity import adopt_key_file, hold_key, read_key_file
 from .._mesh._host import Holder, ProcHandle, set_persistent_host
 from .._proc_agent import CONTROLLER_KEY, ControllerAgent
 from .._proc_mesh import ProcMesh
@@ -40,7 +41,6 @@ from .._runtime._session import bridged
 from .._shape import Shape
 from .._supervision import Supervisor
 from .._transport import open_transport
-from .._transport._auth import adopt_key_file, hold_key, read_key_file
 from .._transport._tags import dial_part
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats

@@ -32,9 +32,9 @@ from pathlib import Path
 import anyio
 
 from .._config import settings
+from .._identity import job_key, read_key_file
 from .._runtime._runtime import current_runtime
 from .._runtime._session import bridged
-from .._transport._auth import job_key, read_key_file
 from ._remote import HostMesh, attach
 
 __all__ = ["SlurmJob", "jobs_dir"]

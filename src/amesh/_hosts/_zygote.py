@@ -1064,10 +1064,11 @@ def _rehearse() -> None:
     if default_impl() != "stream":
         return
     from .._actor import Actor, endpoint
+    from .._identity import KEY_SIZE, borrowed_key
     from .._mesh._registry import unlisted
     from .._runtime import _capture
     from .._runtime._runtime import open_runtime
-    from .._transport import _auth, open_transport
+    from .._transport import open_transport
     from ._inprocess import InProcessHost
 
     def start() -> None:
@@ -1110,7 +1111,7 @@ def _rehearse() -> None:
     options = loop_options("asyncio")
     before = _open_fds()
     try:
-        with _auth.borrowed_key(secrets.token_bytes(_auth.KEY_SIZE)), unlisted():
+        with borrowed_key(secrets.token_bytes(KEY_SIZE)), unlisted():
             profile = sys.getprofile()
             sys.setprofile(note)
             try:

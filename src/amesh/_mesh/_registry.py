@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from .._transport._auth import job_key, key_for
+from .._identity import job_key, key_for
 
 __all__ = [
     "Listed",
@@ -94,7 +94,7 @@ def forget(mesh: Listed) -> None:
 
 def _keyed(entry: dict[str, Any]) -> dict[str, Any]:
     """``entry``, with the key its workers hold when it is not the job key (a
-    persistent mesh's, in a process that holds two: see ``_auth.hold_key``)."""
+    persistent mesh's, in a process that holds two: see :func:`amesh._identity.hold_key`)."""
     addrs = entry.get("addrs")
     key = key_for(addrs[0]) if addrs else job_key()
     return entry if key == job_key() else {**entry, "key": key.hex()}

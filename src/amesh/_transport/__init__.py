@@ -1,7 +1,8 @@
 """Transports move opaque frames between processes; they know nothing of actors.
 
-Every connection proves that its dialer holds the job key before anything it sends is
-decoded (:mod:`._auth`), and a link that breaks is reported to the owner
+Every connection proves that its dialer holds the job key (:mod:`amesh._identity`)
+before anything it sends is decoded (:mod:`._auth`; its names that other packages speak
+the handshake with are exported here), and a link that breaks is reported to the owner
 (``set_lost_handler``).
 
 ``tcp`` means encrypted between hosts: a :class:`HybridTransport` (:mod:`._hybrid`)
@@ -19,24 +20,40 @@ from __future__ import annotations
 from typing import Protocol
 
 from .._config import settings
+from ._auth import (
+    CHALLENGE_LEN,
+    HANDSHAKE_TIMEOUT,
+    Gate,
+    Refusals,
+    Refused,
+    check_peer,
+    mac,
+)
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._hybrid import TLS_PREFIX, HostStreams, HybridTransport, local_route, open_tls
 from ._memory import MemoryTransport
 from ._stream import StreamBeat, StreamTransport, is_stream_address
 
 __all__ = [
+    "CHALLENGE_LEN",
+    "HANDSHAKE_TIMEOUT",
     "Deliver",
+    "Gate",
     "HeartbeatSender",
     "HostStreams",
     "HybridTransport",
     "MemoryTransport",
+    "Refusals",
+    "Refused",
     "StreamTransport",
     "Transport",
     "TransportClosed",
     "TransportStats",
+    "check_peer",
     "default_impl",
     "heartbeat_sender",
     "local_route",
+    "mac",
     "open_tls",
     "open_transport",
 ]

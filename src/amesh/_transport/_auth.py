@@ -1,10 +1,6 @@
-"""The job key, and how a peer proves that it holds it before anything it sends is read.
+"""How a peer proves that it holds the job key before anything it sends is read.
 
-A job is one controller and every process it starts. The controller makes the key (32
-random bytes) on first use; a worker gets it from its parent over a private channel (the
-stdin pipe of an exec'd worker, the control socket of the zygote for a forked one) and
-adopts it before it opens its transport. The key is never on a command line, in the
-environment of an exec'd process, or in a file.
+The key itself, and the other keys a process may hold, are :mod:`amesh._identity`'s.
 
 Stream transport, once per connection (the listener speaks first)::
 
@@ -30,12 +26,11 @@ NNG transports, the first message of every pipe (NNG speaks no handshake of ours
 The listener takes a hello within :data:`HELLO_WINDOW` of its time and remembers its
 nonce as long, so a recorded hello cannot be replayed.
 
-A process may hold other keys beside its job key (:func:`hold_key`: a notebook session
-that ran a mesh of its own, then makes or takes over a persistent mesh, whose agent and
-workers hold the key of this machine's persistent meshes). Its listeners take a proof
-made with any of its keys; it proves itself with the key of the address it dials: one
-given with :func:`hold_key`, or the one a peer at that address proved itself with,
-else the job key. (TLS certificates come from the job key alone.)
+A process may hold other keys beside its job key (:func:`amesh._identity.hold_key`).
+Its listeners take a proof made with any of its keys; it proves itself with the key of
+the address it dials (:func:`amesh._identity.key_for`), and dials a peer that proved
+itself with another key than the job key with that one from then on. (TLS certificates
+come from the job key alone.)
 
 Every refusal is counted and logged with the peer, at most one line per
 :data:`LOG_INTERVAL` seconds (a flood of bad connections costs one line).
@@ -52,13 +47,10 @@ import secrets
 import socket
 import struct
 import sys
-import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from .._config import settings
+from .._identity import held_keys, hold_key, job_key, key_for
 from .._ratelog import RateLimitedLog
 
 __all__ = [
@@ -66,29 +58,19 @@ __all__ = [
     "CHALLENGE_LEN",
     "HANDSHAKE_TIMEOUT",
     "HELLO_WINDOW",
-    "KEY_SIZE",
     "Gate",
     "HelloCheck",
     "Refusals",
     "Refused",
-    "adopt_key",
-    "adopt_key_file",
     "answer",
     "check_peer",
     "describe_peer",
-    "has_key",
     "hello",
-    "hold_key",
-    "job_key",
-    "key_for",
     "mac",
-    "read_key_file",
-    "write_key_file",
 ]
 
 log = logging.getLogger("amesh.transport")
 
-KEY_SIZE = 32
 #: A peer that has not proven itself this many seconds after it connected is dropped.
 HANDSHAKE_TIMEOUT = 5.0
 #: An NNG hello is taken this long either side of the listener's clock.
@@ -114,13 +96,6 @@ ANSWER_MAX = _ANSWER_HEAD + MAX_ADDRESS + _PROOF
 _HELLO_HEAD = len(_HELLO) + _HELLO_NONCE + _U64.size + _U16.size
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
-_key: bytes | None = None
-_key_lock = threading.Lock()
-#: the keys this process holds beside its job key (see :func:`hold_key`)
-_other_keys: list[bytes] = []
-#: address -> the key (not the job key) to prove ourselves with when dialling it
-_dial_keys: dict[str, bytes] = {}
-
 
 def _own_sha256() -> Any:
     """CPython's own SHA-256 constructor (``_sha2`` from 3.12, ``_sha256`` before), for
@@ -142,152 +117,6 @@ class Refused(Exception):
     """A peer did not prove that it holds the job key (or a listener refused us)."""
 
 
-# -- the key ---------------------------------------------------------------------------
-
-
-def has_key() -> bool:
-    """Whether this process holds its job key yet (adopted, read or made by
-    :func:`job_key`): from then on it is the key its peers prove themselves with."""
-    return _key is not None
-
-
-def job_key() -> bytes:
-    """This job's key: the one adopted from the parent, else the one in the file
-    ``AMESH_KEY_FILE`` names, else a fresh one (the controller's, made on first use)."""
-    global _key
-    key = _key
-    if key is None:
-        path = settings().key_file
-        fresh = read_key_file(path) if path else secrets.token_bytes(KEY_SIZE)
-        with _key_lock:
-            if _key is None:
-                _key = fresh
-            key = _key
-    return key
-
-
-def write_key_file(path: str) -> None:
-    """Write a new key (hex, one line) to ``path``, readable by its owner only.
-
-    Raises:
-        FileExistsError: ``path`` exists (a key is never overwritten).
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_bytes(KEY_SIZE).hex() + "\n")
-
-
-def read_key_file(path: str) -> bytes:
-    """The key in ``path`` (see :func:`write_key_file`).
-
-    Raises:
-        PermissionError: the file belongs to another user, or others may read it.
-        ValueError: it does not hold a key.
-        OSError: it cannot be read.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        if st.st_uid != os.getuid():
-            raise PermissionError(f"key file {path} belongs to uid {st.st_uid}, not to us")
-        if st.st_mode & 0o077:
-            raise PermissionError(
-                f"key file {path} has mode {st.st_mode & 0o777:o}: others may read it "
-                f"(chmod 600 {path})"
-            )
-        text = f.read(4 * KEY_SIZE).strip()
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        key = b""
-    if len(key) != KEY_SIZE:
-        raise ValueError(f"key file {path} does not hold a key ({2 * KEY_SIZE} hex digits)")
-    return key
-
-
-def adopt_key_file(path: str) -> None:
-    """Make the key in ``path`` this process's job key (a controller that joins host
-    agents which hold it).
-
-    Raises:
-        RuntimeError: this process already uses another key (its workers prove
-            themselves with it).
-        PermissionError, ValueError, OSError: see :func:`read_key_file`.
-    """
-    global _key
-    key = read_key_file(path)
-    with _key_lock:
-        if _key is not None and not hmac.compare_digest(_key, key):
-            raise RuntimeError(
-                "this process already uses another job key; start it with "
-                f"AMESH_KEY_FILE={path}, or attach before it starts any mesh"
-            )
-        _key = key
-
-
-def hold_key(key: bytes, addrs: Iterable[str] = ()) -> None:
-    """Hold ``key`` too: as this process's job key when it has none yet, else beside
-    it, proving ourselves with it to ``addrs`` (its holders we dial first; those that
-    dial us are known by their proof).
-
-    Raises:
-        ValueError: ``key`` is not :data:`KEY_SIZE` bytes.
-    """
-    global _key
-    if len(key) != KEY_SIZE:
-        raise ValueError(f"a job key has {KEY_SIZE} bytes, not {len(key)}")
-    with _key_lock:
-        if _key is None:
-            _key = bytes(key)
-        if hmac.compare_digest(_key, key):
-            return
-        if not any(hmac.compare_digest(k, key) for k in _other_keys):
-            _other_keys.append(bytes(key))
-        for addr in addrs:
-            _dial_keys[addr] = key
-
-
-def key_for(addr: str) -> bytes:
-    """The key to prove ourselves with to the process at ``addr`` (see
-    :func:`hold_key`); the job key unless it holds another."""
-    return _dial_keys.get(addr) or job_key()
-
-
-def _keys() -> list[bytes]:
-    """Every key this process holds, its job key first."""
-    return [job_key(), *_other_keys]
-
-
-def adopt_key(key: bytes) -> None:
-    """Use ``key`` (the parent's) from now on; a worker does this before it opens its
-    transport.
-
-    Raises:
-        ValueError: ``key`` is not :data:`KEY_SIZE` bytes.
-    """
-    global _key
-    if len(key) != KEY_SIZE:
-        raise ValueError(f"a job key has {KEY_SIZE} bytes, not {len(key)}")
-    with _key_lock:
-        _key = bytes(key)
-
-
-@contextmanager
-def borrowed_key(key: bytes) -> Iterator[None]:
-    """Use ``key`` within the block, and afterwards the key this process held before
-    (or none): the zygote's rehearsal (:mod:`amesh._hosts._zygote`) runs a mesh of its
-    own before it knows the job it serves."""
-    global _key
-    with _key_lock:
-        held = _key
-    adopt_key(key)
-    try:
-        yield
-    finally:
-        with _key_lock:
-            _key = held
-
-
 def mac(data: bytes, key: bytes | None = None) -> bytes:
     """HMAC-SHA256 of ``data`` under ``key``, this job's key by default (the 32 bytes
     of a proof)."""
@@ -297,10 +126,10 @@ def mac(data: bytes, key: bytes | None = None) -> bytes:
 def _proven(proof: bytes, data: bytes, peer: bytes) -> bool:
     """Whether ``proof`` is the MAC of ``data`` under a key of ours; a peer that used
     another than the job key is dialled with that one from then on."""
-    for i, key in enumerate(_keys()):
+    for i, key in enumerate(held_keys()):
         if hmac.compare_digest(proof, mac(data, key)):
             if i:
-                _dial_keys[peer.decode(errors="replace")] = key
+                hold_key(key, (peer.decode(errors="replace"),))
             return True
     return False
 

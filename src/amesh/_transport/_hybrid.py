@@ -51,7 +51,7 @@ from typing import Any
 
 import anyio
 
-from ._auth import has_key
+from .._identity import has_key
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._guard import Limits

@@ -10,12 +10,12 @@ this job, the hello says which address it speaks for.
 
 Where the certificates come from:
 
-- By default, from the job key. Every process of a job holds the key (:func:`._auth.job_key`,
-  adopted from the parent over a private channel before the transport opens), so each
-  derives the same CA private key from it: a P-256 scalar from
-  HKDF-SHA256(job key, info ``"amesh tls ca v1"``). It self-signs a CA certificate
-  (its name carries a fingerprint of the CA's public key) and signs a leaf
-  certificate for a fresh key of its own, which never leaves the process. Both are
+- By default, from the job key. Every process of a job holds the key
+  (:func:`amesh._identity.job_key`, adopted from the parent over a private channel
+  before the transport opens), so each derives the same CA private key from it: a
+  P-256 scalar from HKDF-SHA256(job key, info ``"amesh tls ca v1"``). It self-signs a
+  CA certificate (its name carries a fingerprint of the CA's public key) and signs a
+  leaf certificate for a fresh key of its own, which never leaves the process. Both are
   valid from an hour ago (clock skew between hosts) for :data:`VALIDITY`, and are
   made again once half of that has passed, so a job may outlive them; connections
   that are up stay up.
@@ -74,7 +74,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .._config import settings
-from ._auth import job_key
+from .._identity import job_key
 
 __all__ = [
     "ENV_CA",
