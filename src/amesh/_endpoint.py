@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import random
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 import anyio
@@ -14,7 +14,7 @@ from . import _codec, _wire
 from ._errors import ActorError, DeadlockError, Failure, ProtocolError, SupervisionError
 from ._runtime._calls import rank_label
 from ._runtime._context import is_local
-from ._runtime._runtime import Payloads, Pending, Runtime, current_runtime
+from ._runtime._runtime import Payloads, Pending, current_runtime
 from ._runtime._session import Stream, bridged
 from ._shape import Point, Shape
 from ._value_mesh import ValueMesh
@@ -283,27 +283,6 @@ class MeshEndpoint(Generic[P, R]):
             return repr(params[key].name)
         return f"#{key} (positional)"
 
-    async def _next(self, pending: Pending, deadline: _Deadline) -> tuple[int, bool, Any]:
-        """The next reply to ``pending``.
-
-        Raises:
-            TimeoutError: ``deadline`` passed; the message names the endpoint and the
-                (mesh) ranks that did not answer.
-        """
-        if deadline.at == math.inf:
-            return await pending.next()
-        if pending.items:
-            return pending.items.popleft()
-        try:
-            with anyio.fail_after(max(0.0, deadline.at - anyio.current_time())):
-                return await pending.next()
-        except TimeoutError:
-            silent = sorted(pending.mesh_rank(r) for r in pending.targets)
-            raise TimeoutError(
-                f"{self._mesh.name}.{self._desc.name}: no answer within {deadline.timeout:g} s"
-                f" from {_ranks_text(silent, pending.size)}"
-            ) from None
-
     def _dump_args(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], shm: bool
     ) -> _codec.Payload:
@@ -324,8 +303,10 @@ class MeshEndpoint(Generic[P, R]):
         whole = self._mesh._shape.slots[rank]
         return whole, rank_label(whole, rank)
 
-    def _raise(self, shape: Shape, rank: int, value: Any) -> None:
+    def _raise(self, rank: int, value: Any) -> None:
+        """Raise the error that called rank ``rank`` answered with (``value``)."""
         if isinstance(value, _wire.Error):
+            shape = Shape(self._mesh._shape.labels, self._mesh._shape.sizes)
             point = {**shape.coords(rank), "rank": rank}
             if value.type_name == "amesh.SupervisionError":
                 # the actor failed, or an endpoint's own supervision scope did
@@ -356,32 +337,6 @@ class MeshEndpoint(Generic[P, R]):
             )
         raise value
 
-    async def _gather(
-        self,
-        rt: Runtime,
-        targets: dict[int, str],
-        shape: Shape,
-        payload: Payloads,
-        deadline: _Deadline,
-    ) -> AsyncGenerator[tuple[int, Any], None]:
-        pending = rt.open_call(self._mesh.key, targets, self._mesh._shape.slots)
-        done = False
-        try:
-            labels, sizes = self._mesh._wire_shape()
-            waiting = rt.router.send_requests_soon(
-                pending, self._desc.name, labels, sizes, payload, self._mesh._tree()
-            )
-            if waiting is not None:
-                await waiting
-            for _ in range(len(targets)):
-                rank, ok, value = await self._next(pending, deadline)
-                if not ok:
-                    self._raise(shape, rank, value)
-                yield rank, _codec.loads(*value)
-            done = True
-        finally:
-            rt.close_call(pending, cancel=not done)
-
     @bridged
     async def call(self, *args: P.args, **kwargs: P.kwargs) -> ValueMesh[R]:
         """Call every rank; returns their results as a :class:`ValueMesh`.
@@ -404,32 +359,18 @@ class MeshEndpoint(Generic[P, R]):
         mesh = self._mesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        deadline = _deadline(self._timeout)
-        rt = current_runtime()
         shape = Shape(mesh.shape.labels, mesh.shape.sizes)
         results: list[Any] = [None] * len(shape)
-        # what _gather does, without a generator between each reply and its slot
-        labels, sizes = mesh._wire_shape()
-        pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
-        done = False
+        op = _Call(self, targets)
         try:
-            waiting = rt.router.send_requests_soon(
-                pending, self._desc.name, labels, sizes, payload, mesh._tree()
-            )
-            if waiting is not None:  # (a full link, a tree: most calls go at once)
-                await waiting
-            loads = _codec.loads
+            sending = op.send_soon(payload)
+            if sending is not None:
+                await sending
             for _ in range(len(targets)):
-                if deadline is _NO_DEADLINE:
-                    rank, ok, value = await pending.next()
-                else:
-                    rank, ok, value = await self._next(pending, deadline)
-                if not ok:
-                    self._raise(shape, rank, value)
-                results[rank] = loads(*value)
-            done = True
+                rank, value = await op.reply()
+                results[rank] = value
         finally:
-            rt.close_call(pending, cancel=not done)
+            op.close()
         return ValueMesh(shape, results)
 
     @bridged
@@ -442,7 +383,6 @@ class MeshEndpoint(Generic[P, R]):
                 :meth:`call`.
         """
         mesh = self._mesh
-        # the hot path: no generator, no ValueMesh, as few calls as can be
         targets = mesh._targets()
         if len(targets) != 1:
             raise ValueError(
@@ -450,31 +390,15 @@ class MeshEndpoint(Generic[P, R]):
                 f"{len(mesh)} ({mesh.sizes}); slice it or use call()"
             )
         payload = self._encode(args, kwargs, targets)
-        timeout = self._timeout
-        rt = current_runtime()
-        labels, sizes = mesh._wire_shape()
-        pending = rt.calls.open(mesh.key, targets, mesh._shape.slots)
-        done = False
+        op = _Call(self, targets)
         try:
-            waiting = rt.router.send_requests_soon(
-                pending, self._desc.name, labels, sizes, payload, mesh._tree()
-            )
-            if waiting is not None:  # (a full link, a tree: most calls go at once)
-                await waiting
-            if timeout is None:
-                items = pending.items
-                while not items:
-                    await pending.arrival()
-                rank, ok, value = items.popleft()
-            else:
-                rank, ok, value = await self._next(pending, _deadline(timeout))
-            if not ok:
-                self._raise(Shape(labels, sizes), rank, value)
-            result: R = _codec.loads(*value)
-            done = True
-            return result
+            sending = op.send_soon(payload)
+            if sending is not None:
+                await sending
+            result: R = (await op.reply())[1]
         finally:
-            rt.close_call(pending, cancel=not done)
+            op.close()
+        return result
 
     @bridged
     async def choose(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -483,7 +407,6 @@ class MeshEndpoint(Generic[P, R]):
         It gets its own element of a scattered (:class:`ValueMesh`) argument.
         """
         self._desc.bind_check(args, kwargs)
-        deadline = _deadline(self._timeout)
         rt = current_runtime()
         mesh = self._mesh
         targets = mesh._targets()
@@ -495,14 +418,15 @@ class MeshEndpoint(Generic[P, R]):
         rank = random.choice([r for r, n in load.items() if n == least])
         chosen = {rank: targets[rank]}
         payload = self._encode(args, kwargs, chosen)
-        shape = Shape(mesh.shape.labels, mesh.shape.sizes)
-        gen = self._gather(rt, chosen, shape, payload, deadline)
+        op = _Call(self, chosen)
         try:
-            async for _, value in gen:
-                return value  # type: ignore[no-any-return]
+            sending = op.send_soon(payload)
+            if sending is not None:
+                await sending
+            result: R = (await op.reply())[1]
         finally:
-            await gen.aclose()
-        raise AssertionError("unreachable: a call to one rank yields once")
+            op.close()
+        return result
 
     def stream(self, *args: P.args, **kwargs: P.kwargs) -> Stream[tuple[Point, R]]:
         """Call every rank and yield ``(point, result)`` in arrival order: ``async for
@@ -519,15 +443,17 @@ class MeshEndpoint(Generic[P, R]):
         mesh = self._mesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        deadline = _deadline(self._timeout)
-        rt = current_runtime()
         shape = Shape(mesh.shape.labels, mesh.shape.sizes)
-        gen = self._gather(rt, targets, shape, payload, deadline)
+        op = _Call(self, targets)
         try:
-            async for rank, value in gen:
+            sending = op.send_soon(payload)
+            if sending is not None:
+                await sending
+            for _ in range(len(targets)):
+                rank, value = await op.reply()
                 yield shape.point(rank), value
         finally:
-            await gen.aclose()
+            op.close()
 
     @bridged
     async def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
@@ -545,19 +471,101 @@ class MeshEndpoint(Generic[P, R]):
                 :meth:`options`; ranks already handed the message keep it.
             SupervisionError: a rank of the mesh is known to be dead.
         """
-        deadline = _deadline(self._timeout)
-        mesh = self._mesh
-        targets = mesh._targets()
-        payload = self._encode(args, kwargs, targets, shm=False)
-        rt = current_runtime()
+        targets = self._mesh._targets()
+        op = _Call(self, targets)
+        await op.cast(self._encode(args, kwargs, targets, shm=False))
+
+
+class _Call:
+    """One call of an endpoint to some of its ranks, from its requests to its last
+    reply: the one operation that every adverb drives, each its own way:
+    :meth:`~MeshEndpoint.call` and :meth:`~MeshEndpoint.stream` read every reply,
+    :meth:`~MeshEndpoint.call_one` and :meth:`~MeshEndpoint.choose` the one,
+    :meth:`~MeshEndpoint.broadcast` sends casts and reads none.
+
+    A call that waits for replies is sent in a ``try`` whose ``finally`` runs
+    :meth:`close`. The deadline (the endpoint's timeout) runs from the call's making.
+    """
+
+    __slots__ = ("_deadline", "_ep", "_pending", "_rt", "_targets")
+
+    def __init__(self, ep: MeshEndpoint[Any, Any], targets: dict[int, str]) -> None:
+        self._ep = ep
+        self._targets = targets
+        timeout = ep._timeout
+        self._deadline = _NO_DEADLINE if timeout is None else _deadline(timeout)
+        self._rt = current_runtime()
+        self._pending: Pending | None = None
+
+    def send_soon(self, payload: Payloads) -> Awaitable[None] | None:
+        """Open the call with the runtime (so no reply can be missed) and send its
+        requests: None once they all went (most calls: each rank directly, each link
+        taking its frame at once), else what to await until they did (a full link, a
+        relay tree). No coroutine of its own: this is every call's path."""
+        rt, mesh = self._rt, self._ep._mesh
+        pending = self._pending = rt.calls.open(mesh.key, self._targets, mesh._shape.slots)
+        labels, sizes = mesh._wire_shape()
+        return rt.router.send_requests_soon(
+            pending, self._ep._desc.name, labels, sizes, payload, mesh._tree()
+        )
+
+    async def cast(self, payload: Payloads) -> None:
+        """Send casts instead (no replies: nothing to open); their deadline holds
+        for flow control."""
+        mesh = self._ep._mesh
         shape = mesh.shape
-        await rt.send_casts(
+        await self._rt.send_casts(
             mesh.key,
-            targets,
-            self._desc.name,
+            self._targets,
+            self._ep._desc.name,
             list(shape.labels),
             list(shape.sizes),
             payload,
             mesh._tree(),
-            deadline.at,
+            self._deadline.at,
         )
+
+    async def reply(self) -> tuple[int, Any]:
+        """The next reply, in arrival order: ``(called rank, result)``.
+
+        Raises:
+            ActorError, LookupError, ProtocolError, SupervisionError: the rank's
+                answer (see :meth:`MeshEndpoint._raise`).
+            TimeoutError: the deadline passed; the message names the endpoint and the
+                (mesh) ranks that did not answer.
+        """
+        pending = self._pending
+        assert pending is not None, "reply() before send_soon()"
+        if self._deadline is _NO_DEADLINE:
+            # no coroutine of Pending.next's in the common case
+            items = pending.items
+            while not items:
+                await pending.arrival()
+            rank, ok, value = items.popleft()
+        else:
+            rank, ok, value = await self._next(pending)
+        if not ok:
+            self._ep._raise(rank, value)
+        return rank, _codec.loads(*value)
+
+    async def _next(self, pending: Pending) -> tuple[int, bool, Any]:
+        """The next reply as ``pending`` holds it, before the deadline."""
+        if pending.items:
+            return pending.items.popleft()
+        deadline = self._deadline
+        try:
+            with anyio.fail_after(max(0.0, deadline.at - anyio.current_time())):
+                return await pending.next()
+        except TimeoutError:
+            silent = sorted(pending.mesh_rank(r) for r in pending.targets)
+            where = f"{self._ep._mesh.name}.{self._ep._desc.name}"
+            raise TimeoutError(
+                f"{where}: no answer within {deadline.timeout:g} s"
+                f" from {_ranks_text(silent, pending.size)}"
+            ) from None
+
+    def close(self) -> None:
+        """Forget the call (once sent); the ranks that have not answered are asked to
+        stop."""
+        if self._pending is not None:
+            self._rt.close_call(self._pending)

@@ -144,9 +144,9 @@ class Calls:
             self.inflight[k] = self.inflight.get(k, 0) + 1
         return pending
 
-    def close(self, pending: Pending, waiting: bool = True) -> set[tuple[str, int]]:
+    def close(self, pending: Pending) -> set[tuple[str, int]]:
         """Forget ``pending``; returns where it still waits, as ``(address, request
-        id)`` of ranks and relays (see :meth:`Pending.cancels`), if ``waiting``."""
+        id)`` of ranks and relays (see :meth:`Pending.cancels`)."""
         self.pending.pop(pending.call_id, None)
         targets = pending.targets
         if not targets:  # every rank answered (the common case)
@@ -155,7 +155,7 @@ class Calls:
             return set()
         for addr in targets.values():
             self.dec_inflight(addr, pending.actor)
-        out = pending.cancels() if waiting else set()
+        out = pending.cancels()
         targets.clear()
         self._drop(pending)
         return out

@@ -4,7 +4,8 @@ Messages start in arrival order (so per-sender FIFO holds). Serial handlers run 
 at a time, each after the previous one finished; concurrent handlers start as soon as
 every earlier message has started, and interleave with everything at their awaits.
 The instance's task group also hosts the watchers of the meshes the actor owns, so
-they live exactly as long as the actor.
+they live exactly as long as the actor. Each message runs as one :class:`Invocation`,
+whichever path started it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ActorInstance",
     "Handler",
+    "Invocation",
     "Owned",
     "can_wait",
     "error_of",
@@ -188,13 +190,218 @@ def _run_in_thread(
     return result, (_codec.dumps(result, shm=shm) if reply else None)
 
 
-#: What :meth:`ActorInstance._handle_now` leaves to the loop for a result that may take
+#: What :meth:`Invocation.step` leaves to its continuation for a result that may take
 #: long to pickle (see :func:`cheap_to_pickle`)
 _PICKLE = object()
 
 #: Results that are never awaitable: no need to ask (``inspect.isawaitable`` is an
 #: ABC check).
 _NOT_AWAITABLE = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
+
+
+class Invocation:
+    """One message to one handler, from its start to its reply.
+
+    :meth:`step` runs the handler as far as it can without waiting: a handler whose
+    code cannot wait runs to its end (its coroutine stepped once), and a result that
+    pickles at once is pickled and sent. What is left (the waits of a handler that can
+    wait, a threaded or pausable handler, an awaitable that a plain function returned,
+    a big result to pickle in a worker thread, a reply waiting for room on its link) is
+    returned as one awaitable, which ends with the reply. The two drivers differ only
+    in who awaits it: :meth:`ActorInstance.put` (a call that arrives while the actor is
+    idle) hands it to the dispatch loop, ahead of any later message, so the actor stays
+    serial; the loop and a handler's task await it themselves.
+    """
+
+    __slots__ = ("actor", "ctx", "env", "handler", "key", "scope", "shm")
+
+    def __init__(
+        self, actor: ActorInstance, env: _wire.Call | _wire.Cast, handler: Handler | None
+    ) -> None:
+        self.actor = actor
+        self.env = env
+        self.handler = handler
+        self.key = (env.sender, env.call_id)
+        #: made (by LazyScope) only once the handler waits, see :meth:`_open_scope`
+        self.scope: LazyScope | None = None
+
+    def step(self, buffers: list[Any]) -> Awaitable[None] | None:
+        """Run the handler (arguments in ``buffers``' views) as far as it can without
+        waiting, and reply if it is done. Returns the rest to await, if any."""
+        actor, env, handler, key = self.actor, self.env, self.handler, self.key
+        rt = actor.runtime
+        rt.queued.discard(key)
+        if key in rt.cancelled:  # cancelled after it left the mailbox, before it ran
+            rt.cancelled.discard(key)
+            return None
+        method = env.method
+        is_call = type(env) is _wire.Call
+        chain = list(env.chain) if type(env) is _wire.Call else []
+        if handler is not None and not handler.concurrent:
+            entry = actor._entries.get(method)  # (chain_entry, without a call)
+            chain.append(entry if entry is not None else actor.chain_entry(method))
+        where = (env.labels, env.sizes, env.rank)
+        ctx = self.ctx = CallContext(
+            actor.obj, where, env.sender, env.call_id, actor, chain, method
+        )
+        # A handler that cannot wait runs to its end without the loop taking a turn:
+        # no cancel can reach it, so it needs no scope, nor to be found by one.
+        if handler is None or handler.waits or handler.pausable or handler.thread:
+            self._open_scope()
+        # one receiver: large buffers may go through shared memory
+        self.shm = type(env) is _wire.Call and is_local_cached(env.reply_to or env.sender)
+        token = call_context.set(ctx)
+        result: Any = None
+        payload: _codec.Payload | None = None
+        failure: BaseException | None = None
+        later: Any = None
+        try:
+            if handler is None:
+                raise AttributeError(f"actor {actor.name!r} has no endpoint {env.method!r}")
+            args, kwargs = _wire.load(env.payload, buffers)
+            if handler.thread or handler.pausable:
+                return self._rest(None, args, kwargs)
+            try:
+                result = handler.fn(actor.obj, *args, **kwargs)
+                if handler.coroutine and not handler.waits:
+                    result = _one_step(result, handler.fn)  # no await in its code
+                elif handler.coroutine or (
+                    type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result)
+                ):
+                    later, result = result, None
+            finally:
+                if handler_local.ends:  # it paused, holding the loop (see _pausable)
+                    end_direct()
+            if later is None and is_call:
+                # (a few builtins pickle at once; only a bigger result may take long)
+                payload = _codec.dumps_plain(result)
+                if payload is None and not cheap_to_pickle(result):
+                    later = _PICKLE
+        except Exception as exc:  # any pickling error is the call's, not the process's
+            failure = exc
+        finally:
+            call_context.reset(token)
+        if later is not None:
+            return self._rest(later, (), {}, result)
+        if self.scope is None and type(env) is _wire.Call:  # no cancel to look for
+            actor.handled += 1
+            return self._reply(env, result, payload, failure)
+        self._ended()
+        return self._answer(result, payload, failure)
+
+    def _open_scope(self) -> LazyScope:
+        """The handler's scope, where a cancel (and :meth:`ActorInstance.status`) finds
+        it."""
+        scope = self.scope = self.ctx.scope = LazyScope()
+        self.actor.runtime.running[self.key] = scope
+        self.actor._running[scope] = self.env.method
+        return scope
+
+    def _ended(self) -> None:
+        scope = self.scope
+        if scope is not None:
+            self.actor.runtime.running.pop(self.key, None)
+            self.actor._running.pop(scope, None)
+        self.actor.handled += 1
+
+    async def _rest(
+        self, later: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any = None
+    ) -> None:
+        """What :meth:`step` left: run a threaded or pausable handler (``later`` None),
+        await what the handler returned, or pickle its ``result`` in a worker thread
+        (``_PICKLE``), all inside its scope; then reply."""
+        handler = self.handler
+        assert handler is not None
+        obj, shm = self.actor.obj, self.shm
+        is_call = type(self.env) is _wire.Call
+        payload: _codec.Payload | None = None
+        failure: BaseException | None = None
+        token = call_context.set(self.ctx)
+        try:
+            if later is None and handler.thread:
+                # In a worker thread, which pickles the result too; a cancel waits for
+                # it to return (the actor stays serial), and amesh.cancelled() tells
+                # the handler it may stop early.
+                run = partial(_run_in_thread, handler.fn, obj, args, kwargs, is_call, shm)
+                with self._scope().open():
+                    result, payload = await anyio.to_thread.run_sync(run)
+            elif later is None:
+                # in a greenlet of its own: a breakpoint() pauses the handler only
+                result = await run_handler_in(self.scope, handler.fn, (obj, *args), kwargs)
+            elif later is not _PICKLE:
+                try:
+                    with self._scope().open():
+                        result = await later
+                finally:
+                    if handler_local.ends:  # it paused, holding the loop (see _pausable)
+                        end_direct()
+            if is_call and payload is None:
+                payload = _codec.dumps_plain(result)
+                if payload is None and not cheap_to_pickle(result):
+                    with self._scope().open():
+                        dump = partial(_codec.dumps, result, shm=shm)
+                        payload = await anyio.to_thread.run_sync(dump)
+        except Exception as exc:  # any pickling error is the call's, not the process's
+            failure = exc
+        finally:
+            self._ended()
+            call_context.reset(token)
+        waiting = self._answer(result, payload, failure)
+        if waiting is not None:  # the link is full: wait for room
+            await waiting
+
+    def _scope(self) -> LazyScope:
+        return self.scope if self.scope is not None else self._open_scope()
+
+    def _answer(
+        self, result: Any, payload: _codec.Payload | None, failure: BaseException | None
+    ) -> Awaitable[None] | None:
+        """Reply to a call, or fail the actor for a cast that raised. Returns what to
+        await while the link is full, if it is."""
+        if self.scope is not None and self.scope.cancel_called:
+            # The caller gave up (or the actor failed); it waits for nothing more.
+            if payload is not None:
+                _codec.release_payload(payload)
+            return None
+        env = self.env
+        if type(env) is _wire.Call:
+            return self._reply(env, result, payload, failure)
+        if failure is not None:
+            actor = self.actor
+            name, message, tb = error_of(failure)
+            label = actor.label(env.method)
+            log.error("endpoint %s raised under broadcast:\n%s", label, tb)
+            actor.fail(f"endpoint {label} raised under broadcast: {name}: {message}")
+        return None
+
+    def _reply(
+        self,
+        env: _wire.Call,
+        result: Any,
+        payload: _codec.Payload | None,
+        failure: BaseException | None,
+    ) -> Awaitable[None] | None:
+        """Send the reply: ``result`` (pickled now, unless ``payload`` has it) or
+        ``failure``."""
+        links = self.actor.runtime.links
+        dest, reply_id, rank = env.reply_to or env.sender, env.reply_id or env.call_id, env.rank
+        if failure is None:
+            try:
+                if payload is None:
+                    payload = _codec.dumps(result, shm=self.shm)
+            except Exception as exc:  # any pickling error is the call's
+                failure = exc
+            else:
+                data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+                reply = _wire.Reply(reply_id, rank, data, lengths)
+                before_reply()  # what the handler printed reaches the caller first
+                try:
+                    return links.send_soon(dest, reply, parts)
+                except ValueError as exc:  # larger than the transport takes: say so
+                    failure = exc
+        name, message, tb = error_of(failure)
+        before_reply()
+        return links.send_soon(dest, _wire.Error(reply_id, rank, name, message, tb))
 
 
 class ActorInstance:
@@ -285,20 +492,15 @@ class ActorInstance:
             # without the loop's turn in between.
             handler = self.handlers.get(env.method)
             if handler is not None and handler.now:
-                self._ctx.run(self._handle_now, env, buffers, handler)
+                left = self._ctx.run(Invocation(self, env, handler).step, buffers)
+                if left is not None:  # the loop awaits it before any later message
+                    self._later(left)
                 return
         self._queue.append((env, buffers))
         wakeup = self._wakeup
         if wakeup is not None:
             self._wakeup = None
             wakeup.set()
-
-    def _scope_now(self, ctx: CallContext, key: tuple[str, int], method: str) -> LazyScope:
-        """A scope for a handler about to wait after all (see :meth:`_handle`)."""
-        scope = ctx.scope = LazyScope()
-        self.runtime.running[key] = scope
-        self._running[scope] = method
-        return scope
 
     def pause_in_greenlet(self, method: str) -> bool:
         """The handler of ``method`` running now pauses in a debugger: True if it runs
@@ -372,10 +574,9 @@ class ActorInstance:
             if self._inline:
                 # every endpoint is serial: no task per message (and no coroutine for
                 # a call to one that cannot wait)
-                if handler is not None and handler.now and type(env) is _wire.Call:
-                    self._handle_now(env, buffers, handler)
-                else:
-                    await self._handle(env, buffers, handler)
+                left = Invocation(self, env, handler).step(buffers)
+                if left is not None:
+                    await left
                 continue
             if handler is not None and handler.concurrent:
                 tg.start_soon(self._handle, env, buffers, handler)
@@ -433,186 +634,10 @@ class ActorInstance:
     async def _handle(
         self, env: _wire.Call | _wire.Cast, buffers: list[memoryview], handler: Handler | None
     ) -> None:
-        rt = self.runtime
-        key = (env.sender, env.call_id)
-        rt.queued.discard(key)
-        if key in rt.cancelled:  # cancelled after it left the mailbox, before it ran
-            rt.cancelled.discard(key)
-            return
-        is_call = isinstance(env, _wire.Call)
-        method = env.method
-        chain = list(env.chain) if isinstance(env, _wire.Call) else []
-        if handler is not None and not handler.concurrent:
-            entry = self._entries.get(method)
-            chain.append(entry if entry is not None else self.chain_entry(method))
-        where = (env.labels, env.sizes, env.rank)
-        ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain, method)
-        token = call_context.set(ctx)
-        # A handler that cannot wait runs to its end without the loop taking a turn:
-        # no cancel can reach it, so it needs no scope, nor to be found by one. The
-        # others' scope is made (by LazyScope) only once they wait.
-        scope: LazyScope | None = None
-        if handler is None or handler.waits or handler.pausable or handler.thread:
-            scope = ctx.scope = LazyScope()
-            rt.running[key] = scope
-            self._running[scope] = method
-        dest, reply_id, shm = "", 0, False
-        if isinstance(env, _wire.Call):
-            dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
-            # one receiver: large buffers may go through shared memory
-            shm = is_local_cached(dest)
-        result: Any = None
-        payload: _codec.Payload | None = None
-        failure: BaseException | None = None
-        try:
-            if handler is None:
-                raise AttributeError(f"actor {self.name!r} has no endpoint {env.method!r}")
-            args, kwargs = _wire.load(env.payload, buffers)
-            if handler.thread:
-                # In a worker thread, which pickles the result too; a cancel
-                # waits for it to return (the actor stays serial), and
-                # amesh.cancelled() tells the handler it may stop early.
-                run = partial(_run_in_thread, handler.fn, self.obj, args, kwargs, is_call, shm)
-                assert scope is not None
-                with scope.open():
-                    result, payload = await anyio.to_thread.run_sync(run)
-            elif handler.pausable:
-                # in a greenlet of its own: a breakpoint() pauses the handler only
-                result = await run_handler_in(scope, handler.fn, (self.obj, *args), kwargs)
-            else:
-                try:
-                    result = handler.fn(self.obj, *args, **kwargs)
-                    if handler.coroutine and not handler.waits:
-                        # no await in its code: no cancel can reach it, so it needs
-                        # no scope (see LazyScope)
-                        result = _one_step(result, handler.fn)
-                    elif handler.coroutine or (
-                        type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result)
-                    ):
-                        steps, result = result, None
-                        if scope is None:  # a plain function that returned an awaitable
-                            scope = self._scope_now(ctx, key, method)
-                        with scope.open():
-                            result = await steps
-                finally:
-                    if handler_local.ends:  # it paused, holding the loop (see _pausable)
-                        end_direct()
-            if is_call and payload is None:
-                # (a few builtins pickle at once; only a bigger result may take long)
-                payload = _codec.dumps_plain(result)
-                if payload is None and not cheap_to_pickle(result):
-                    if scope is None:
-                        scope = self._scope_now(ctx, key, method)
-                    with scope.open():
-                        dump = partial(_codec.dumps, result, shm=shm)
-                        payload = await anyio.to_thread.run_sync(dump)
-        except Exception as exc:  # any pickling error is the call's, not the process's
-            failure = exc
-        finally:
-            if scope is not None:
-                rt.running.pop(key, None)
-                self._running.pop(scope, None)
-            call_context.reset(token)
-            self.handled += 1
-        if scope is not None and scope.cancel_called:
-            # The caller gave up (or the actor failed); it waits for nothing more.
-            if payload is not None:
-                _codec.release_payload(payload)
-            return
-        if is_call:
-            waiting = self._reply_now(env.rank, dest, reply_id, shm, result, payload, failure)
-            if waiting is not None:  # the link is full: wait for room
-                await waiting
-            return
-        if failure is None:
-            return
-        name, message, tb = error_of(failure)
-        log.error("endpoint %s raised under broadcast:\n%s", self.label(env.method), tb)
-        self.fail(f"endpoint {self.label(env.method)} raised under broadcast: {name}: {message}")
-
-    def _reply_now(
-        self,
-        rank: int,
-        dest: str,
-        reply_id: int,
-        shm: bool,
-        result: Any,
-        payload: _codec.Payload | None,
-        failure: BaseException | None,
-    ) -> Awaitable[None] | None:
-        """Send the reply to a call: its ``result`` (pickled now, unless ``payload`` has
-        it) or its ``failure``. Returns what to await while the link is full, if it is.
-        """
-        rt = self.runtime
-        if failure is None:
-            try:
-                if payload is None:
-                    payload = _codec.dumps(result, shm=shm)
-            except Exception as exc:  # any pickling error is the call's
-                failure = exc
-            else:
-                data, lengths, parts = _wire.pack(payload.data, payload.buffers)
-                reply = _wire.Reply(reply_id, rank, data, lengths)
-                before_reply()  # what the handler printed reaches the caller first
-                try:
-                    return rt.links.send_soon(dest, reply, parts)
-                except ValueError as exc:  # larger than the transport takes: say so
-                    failure = exc
-        name, message, tb = error_of(failure)
-        before_reply()
-        return rt.links.send_soon(dest, _wire.Error(reply_id, rank, name, message, tb))
-
-    def _handle_now(self, env: _wire.Call, buffers: list[Any], handler: Handler) -> None:
-        """Handle a call to an endpoint that cannot wait, from :meth:`put` or the loop
-        (in the loop's context, see :meth:`run`), as :meth:`_handle` would. What cannot be done
-        at once (an awaitable that a plain function returned, a result to pickle in a
-        worker thread, a reply waiting for room) goes to the loop, ahead of any later
-        message, so the actor stays serial."""
-        rt = self.runtime
-        key = (env.sender, env.call_id)
-        rt.queued.discard(key)
-        if key in rt.cancelled:  # (it cannot be: it was queued for no time at all)
-            rt.cancelled.discard(key)
-            return
-        method = env.method
-        chain = list(env.chain)
-        entry = self._entries.get(method)
-        chain.append(entry if entry is not None else self.chain_entry(method))
-        where = (env.labels, env.sizes, env.rank)
-        ctx = CallContext(self.obj, where, env.sender, env.call_id, self, chain, method)
-        token = call_context.set(ctx)
-        dest, reply_id = env.reply_to or env.sender, env.reply_id or env.call_id
-        shm = is_local_cached(dest)
-        result: Any = None
-        payload: _codec.Payload | None = None
-        failure: BaseException | None = None
-        later: Any = None
-        try:
-            args, kwargs = _wire.load(env.payload, buffers)
-            try:
-                result = handler.fn(self.obj, *args, **kwargs)
-                if handler.coroutine:  # with no await in its code
-                    result = _one_step(result, handler.fn)
-                elif type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result):
-                    later, result = result, None  # a plain function's awaitable
-            finally:
-                if handler_local.ends:  # it paused, holding the loop (see _pausable)
-                    end_direct()
-            if later is None:
-                payload = _codec.dumps_plain(result)
-                if payload is None and not cheap_to_pickle(result):
-                    later = _PICKLE  # pickled in a worker thread, by the loop
-        except Exception as exc:  # the call's, not the process's
-            failure = exc
-        finally:
-            call_context.reset(token)
-        if later is not None:
-            self._later(self._finish(env, ctx, key, dest, reply_id, shm, later, result))
-            return
-        self.handled += 1
-        waiting = self._reply_now(env.rank, dest, reply_id, shm, result, payload, failure)
-        if waiting is not None:  # the link is full: the loop waits for room
-            self._later(waiting)
+        """Run one message in this task, to its reply."""
+        left = Invocation(self, env, handler).step(buffers)
+        if left is not None:
+            await left
 
     def _later(self, awaitable: Awaitable[Any]) -> None:
         """Have the loop await ``awaitable`` before any later message."""
@@ -621,50 +646,6 @@ class ActorInstance:
         if wakeup is not None:
             self._wakeup = None
             wakeup.set()
-
-    async def _finish(
-        self,
-        env: _wire.Call,
-        ctx: CallContext,
-        key: tuple[str, int],
-        dest: str,
-        reply_id: int,
-        shm: bool,
-        later: Any,
-        result: Any,
-    ) -> None:
-        """The rest of a call that :meth:`_handle_now` began: await the awaitable that
-        its handler returned, or pickle its result in a worker thread (``_PICKLE``),
-        inside a cancel scope now, then reply."""
-        rt = self.runtime
-        token = call_context.set(ctx)
-        scope = self._scope_now(ctx, key, env.method)
-        payload: _codec.Payload | None = None
-        failure: BaseException | None = None
-        try:
-            with scope.open():
-                if later is not _PICKLE:
-                    result = await later
-                    payload = _codec.dumps_plain(result)
-                    if payload is None and cheap_to_pickle(result):
-                        payload = _codec.dumps(result, shm=shm)
-                if payload is None:
-                    dump = partial(_codec.dumps, result, shm=shm)
-                    payload = await anyio.to_thread.run_sync(dump)
-        except Exception as exc:  # the call's, not the process's
-            failure = exc
-        finally:
-            rt.running.pop(key, None)
-            self._running.pop(scope, None)
-            call_context.reset(token)
-            self.handled += 1
-        if scope.cancel_called:  # the caller gave up: it waits for nothing more
-            if payload is not None:
-                _codec.release_payload(payload)
-            return
-        waiting = self._reply_now(env.rank, dest, reply_id, shm, result, payload, failure)
-        if waiting is not None:
-            await waiting
 
     # -- supervision ----------------------------------------------------------------------
 

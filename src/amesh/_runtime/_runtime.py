@@ -29,7 +29,7 @@ import os
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -294,18 +294,12 @@ class Runtime:
         """A cast from ``sender`` left ``actor``'s mailbox (see :meth:`Links.taken`)."""
         self.links.taken(sender, actor, nbytes)
 
-    def open_call(self, actor: str, targets: dict[int, str], slots: Sequence[int] = ()) -> Pending:
-        """Register a call before its requests go out, so no reply can be missed
-        (``slots``: see :meth:`Calls.open`)."""
-        return self.calls.open(actor, targets, slots)
-
-    def close_call(self, pending: Pending, cancel: bool) -> None:
-        """Forget ``pending``; with ``cancel``, ask the ranks that did not answer to stop."""
-        waiting = self.calls.close(pending, cancel)
-        if cancel:
-            for addr, request_id in waiting:
-                if addr not in self.dead:
-                    self.links.send_nowait(addr, _wire.Cancel(self.address, request_id))
+    def close_call(self, pending: Pending) -> None:
+        """Forget ``pending``; ask the ranks (and relays) that did not answer to stop:
+        the call ended early (an error, a timeout, a cancel)."""
+        for addr, request_id in self.calls.close(pending):
+            if addr not in self.dead:
+                self.links.send_nowait(addr, _wire.Cancel(self.address, request_id))
 
     async def send_casts(
         self,
