@@ -71,7 +71,7 @@ async def test_choose_prefers_least_loaded_rank() -> None:
                 tg.start_soon(c.slice(procs=0).wait_released.call_one)
                 tg.start_soon(c.slice(procs=0).wait_released.call_one)
                 rt = current_runtime()
-                while rt.inflight.get((procs._live().addrs[0], c.key), 0) < 2:
+                while rt.calls.in_flight(procs._live().addrs[0], c.key) < 2:
                     await anyio.lowlevel.checkpoint()
                 for _ in range(5):
                     assert await c.now.choose() == 1

@@ -340,13 +340,13 @@ async def test_attach_reaches_an_agent_started_again_at_its_address(tmp_path: Pa
                 first.proc.wait(10)
                 with pytest.raises(SupervisionError):
                     await amesh.attach([first.addr], timeout=20)
-                assert addr in rt.dead
+                assert addr in rt.peers.dead
                 started.append(Agent(key, port=first.port))
                 second = started[1]
                 await second.listening()
                 hosts = await amesh.attach([second.addr], timeout=20)
                 assert hosts.hosts[0]["pid"] == second.proc.pid
-                assert addr not in rt.dead
+                assert addr not in rt.peers.dead
             assert second.stop() == 0
     finally:
         for a in started:

@@ -31,7 +31,7 @@ class Inspect(Actor):
             "out": len(links._out),
             "taken": len(links._taken),
             "credit_waiters": len(links._credit_waiters),
-            "dead": len(rt.dead),
+            "dead": len(rt.peers.dead),
         }
 
 
@@ -104,7 +104,7 @@ async def test_the_dead_peer_table_keeps_the_most_recent_deaths(
                         calling = await short.spawn("calling", Caller)
                         assert (await calling.call.call_one(counter, "incr"))[0] == "ok"
                         handles.append(await short.spawn("gone", Counter))
-                assert len(rt.dead) == kept
+                assert len(rt.peers.dead) == kept
                 assert (await inspect.held.call_one())["dead"] == kept
                 # the last one dead is remembered with its cause; the first, forgotten,
                 # fails as soon as its connection cannot be made

@@ -99,8 +99,8 @@ async def test_forged_replies_are_refused() -> None:
 
                 tg.start_soon(call)
                 await c.wait_started.call_one()
-                (in_flight,) = [p.call_id for p in rt.pending.values() if p.targets]
-                worker = next(iter(rt.heartbeats))
+                (pending,) = [p for p in rt.calls.pending.values() if p.targets]
+                in_flight, (worker,) = pending.call_id, pending.targets.values()
                 forged = _codec.dumps("forged")
                 data, lengths, parts = _wire.pack(forged.data, forged.buffers)
                 mole = StreamTransport()
@@ -121,7 +121,7 @@ async def test_forged_replies_are_refused() -> None:
                     # frames of one connection arrive in order: once this one is
                     # in, every forged frame before it was handled
                     done = anyio.Event()
-                    rt.ready_waiters["mole"] = lambda env: done.set()
+                    rt.expect_ready("mole", lambda env: done.set())
                     await mole.send(rt.address, _wire.encode(_wire.Ready("mole", mole.address, 1)))
                     await done.wait()
                 finally:
@@ -131,7 +131,7 @@ async def test_forged_replies_are_refused() -> None:
                 assert stats.replies_refused == 2
                 assert stats.replies_dropped == 2 * (len(ids) - 1)
                 assert stats.frames_refused == 2
-                assert rt.pending  # still waiting for the worker's answer
+                assert rt.calls.pending  # still waiting for the worker's answer
                 await c.release.call_one()
             assert result == [0]
 
@@ -156,7 +156,7 @@ async def test_a_routing_bug_costs_one_formatted_traceback_a_logged_line(
         formatted.append(exc)  # (kept: their ids stay theirs)
         return real(exc)
 
-    monkeypatch.setattr(_runtime.Runtime, "_route", broken)
+    monkeypatch.setattr(_runtime.Runtime, "_on_heartbeat", broken)  # (routed by type)
     monkeypatch.setattr(_runtime.traceback, "format_exception", counting)
     monkeypatch.setattr(_runtime, "_drops", RateLimitedLog(_runtime.log, interval=3600))
     with anyio.fail_after(30), caplog.at_level(logging.WARNING, logger=_runtime.log.name):

@@ -210,6 +210,7 @@ async def test_direct_requests_after_a_full_link_wait_for_it_and_go_in_order() -
 
     class Links:
         def __init__(self) -> None:
+            self.address = "me"
             self.sent: list[tuple[str, int]] = []
             self.room = anyio.Event()
 
@@ -223,7 +224,7 @@ async def test_direct_requests_after_a_full_link_wait_for_it_and_go_in_order() -
 
     links = Links()
     calls = Calls(anyio.Event)
-    router = Router("me", calls, links, {})  # type: ignore[arg-type]
+    router = Router(calls, links, {})  # type: ignore[arg-type]
     payload = plain_payload(b"args")
     with anyio.fail_after(10):
         pending = calls.open("actor", {0: "a", 1: "b"})

@@ -290,7 +290,7 @@ async def test_output_from_a_process_not_supervised_here_is_refused(
                 # frames of one connection arrive in order: once this one is in, the
                 # forged output before it was handled
                 done = anyio.Event()
-                rt.ready_waiters["mole"] = lambda env: done.set()
+                rt.expect_ready("mole", lambda env: done.set())
                 await mole.send(rt.address, _wire.encode(_wire.Ready("mole", mole.address, 1)))
                 await done.wait()
             finally:

@@ -196,7 +196,7 @@ async def test_wrong_shape_is_a_value_error_before_anything_is_sent() -> None:
                     pass
             with pytest.raises(ValueError, match=r"argument 'x'"):
                 await column.take.choose(whole)
-            assert rt.statistics().calls_sent == sent and not rt.pending
+            assert rt.statistics().calls_sent == sent and not rt.calls.pending
             assert (await m.recorded.call()).values() == [[], [], [], []]
             with pytest.raises(ValueError, match="4 values for a mesh of 2 ranks"):
                 ValueMesh.of(column, [0, 1, 2, 3])

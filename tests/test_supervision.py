@@ -51,7 +51,7 @@ async def test_process_death_fails_calls_and_names_the_cause(
                 tg.start_soon(call_dying_rank)
                 if how == "sigkill":
                     rt = current_runtime()
-                    while not rt.pending:  # the call is in flight
+                    while not rt.calls.pending:  # the call is in flight
                         await anyio.lowlevel.checkpoint()
                     os.kill(victim, signal.SIGKILL)
             assert len(errors) == 1

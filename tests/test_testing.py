@@ -107,7 +107,7 @@ async def test_faulty_transport_duplicates_run_once_and_drops_time_out() -> None
                 faulty.heal()
                 assert await c.slice(procs=1).incr.call_one() == 3
                 assert faulty.dropped >= 2 and faulty.duplicated == 6
-            assert not rt.pending  # nothing is left waiting
+            assert not rt.calls.pending  # nothing is left waiting
 
 
 async def test_faulty_transport_delay_keeps_order() -> None:

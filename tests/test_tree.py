@@ -160,7 +160,7 @@ async def test_relay_death_fails_only_that_rank_and_the_rest_completes(scattered
                 assert len({r for r, _ in results}) == len(results)
                 # calls that avoid rank 0 go around it, to the same ranks as before
                 assert (await c.slice(procs=slice(1, 13)).now.call()).values() == list(range(12))
-                assert current_runtime().dead
+                assert current_runtime().peers.dead
 
 
 async def test_tree_over_real_processes() -> None:

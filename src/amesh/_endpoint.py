@@ -412,8 +412,8 @@ class MeshEndpoint(Generic[P, R]):
         targets = mesh._targets()
         if not targets:
             raise ValueError(f"{mesh.name} has no ranks to choose from")
-        live = {r: a for r, a in targets.items() if a not in rt.dead} or targets
-        load = {r: rt.inflight.get((a, mesh.key), 0) for r, a in live.items()}
+        live = {r: a for r, a in targets.items() if a not in rt.peers.dead} or targets
+        load = {r: rt.calls.in_flight(a, mesh.key) for r, a in live.items()}
         least = min(load.values())
         rank = random.choice([r for r, n in load.items() if n == least])
         chosen = {rank: targets[rank]}

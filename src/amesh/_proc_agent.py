@@ -142,7 +142,7 @@ class ProcAgent(Actor):
         rt = current_runtime()
         actors = [
             inst.status()
-            for key, inst in rt.actors.items()
+            for key, inst in rt.dispatch.actors.items()
             if key not in (AGENT_KEY, CONTROLLER_KEY)
         ]
         return {"pid": rt.pid, "actors": actors}
@@ -221,7 +221,7 @@ class ControllerAgent(Actor):
 def serve_controller(rt: Any, mesh: Any) -> None:
     """Run a :class:`ControllerAgent` in ``rt`` (once), which answers for ``mesh`` (a
     running ProcMesh) too."""
-    inst = rt.actors.get(CONTROLLER_KEY)
+    inst = rt.dispatch.actors.get(CONTROLLER_KEY)
     if inst is None:
         agent = ControllerAgent()
         inst = ActorInstance(

@@ -482,7 +482,7 @@ class ProcMesh(MeshView):
         self._supervise_state(st)
         assert self._sup is not None
         for key in st.spawned:
-            rt.failure_handlers[key] = self._sup.on_actor_failure
+            rt.handle_failures(key, self._sup.on_actor_failure)
         self._life.attach_output(rt, handles)
         running = [p for p in handles if p.returncode is None]
         if running:
@@ -500,7 +500,7 @@ class ProcMesh(MeshView):
         if self._owner is not None:
             self._owner.owned.append(owned)
         else:
-            rt.owned.append(owned)
+            rt.own(owned)
 
     def _detach(self) -> None:
         """Let go of a persistent mesh without stopping it (its owner is leaving)."""
@@ -513,7 +513,7 @@ class ProcMesh(MeshView):
             p.expected_exit = True
             rt.peers.unwatch(p.addr)
         for key in st.spawned:
-            rt.failure_handlers.pop(key, None)
+            rt.handle_failures(key, None)
         self._life.close_output()
         if self._scoped:
             st.tg.cancel_scope.cancel()  # the watches of the processes
@@ -627,8 +627,7 @@ class ProcMesh(MeshView):
                     log.warning("forgetting persistent mesh %r: %s", self.name, exc)
         rt = st.runtime
         owned = self._detacher or self
-        if owned in rt.owned:
-            rt.owned.remove(owned)
+        rt.disown(owned)
         if self._owner is not None and owned in self._owner.owned:
             self._owner.owned.remove(owned)
 
@@ -744,7 +743,7 @@ class ProcMesh(MeshView):
         spawned = Spawned(mesh, payload, policy)
         st.spawned[key] = spawned
         assert self._sup is not None
-        st.runtime.failure_handlers[key] = self._sup.on_actor_failure
+        st.runtime.handle_failures(key, self._sup.on_actor_failure)
         answered: set[int] = set()
         timeout = self._spawn_timeout
         try:
@@ -763,7 +762,7 @@ class ProcMesh(MeshView):
                 except (ActorError, SupervisionError):
                     pass
             del st.spawned[key]
-            st.runtime.failure_handlers.pop(key, None)
+            st.runtime.handle_failures(key, None)
             if old is not None and st.publish is not None:
                 await st.publish()  # the replaced mesh is gone too
             raise SupervisionError(
@@ -792,7 +791,7 @@ class ProcMesh(MeshView):
         says ``why``, and stop the actor where it was constructed. The ranks killed."""
         mesh = sp.mesh
         st.spawned.pop(mesh.key, None)
-        st.runtime.failure_handlers.pop(mesh.key, None)
+        st.runtime.handle_failures(mesh.key, None)
         assert self._sup is not None
         stuck = [r for r in range(len(mesh.shape.slots)) if r not in answered]
         for rank in stuck:
@@ -838,13 +837,15 @@ class ProcMesh(MeshView):
                 ``__reload__`` of its replacement.
         """
         del st.spawned[mesh.key]
-        alive = [(slot, p) for slot, p in enumerate(st.procs) if p.addr not in st.runtime.dead]
+        alive = [
+            (slot, p) for slot, p in enumerate(st.procs) if p.addr not in st.runtime.peers.dead
+        ]
         agents = self._life.agents_of([p for _, p in alive])
         keep: bool | ValueMesh[bool] = False
         if hand_over:
             keep = ValueMesh.of(agents, [slot in hand_over for slot, _ in alive])
         await agents.stop_actor.call(mesh.key, replaced, keep)
-        st.runtime.failure_handlers.pop(mesh.key, None)
+        st.runtime.handle_failures(mesh.key, None)
 
     @bridged
     async def sync_code(

@@ -370,7 +370,7 @@ class _Beating:
         log.info("adopted by %s (was %s)", parent, self._parent)
         self._parent = parent
         rt.peers.parent = parent
-        for inst in rt.actors.values():
+        for inst in rt.dispatch.actors.values():
             inst.owner = parent
         self.__exit__()
         self.__enter__()

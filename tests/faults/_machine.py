@@ -433,7 +433,7 @@ class MeshMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_call_left_pending(self) -> None:
-        assert not self.rt.pending
+        assert not self.rt.calls.pending
 
     def teardown(self) -> None:
         try:
@@ -442,7 +442,7 @@ class MeshMachine(RuleBasedStateMachine):
             for procs in (self.procs, self.caller_procs):
                 if procs is not None:
                     self.run(procs.stop)
-            assert not self.rt.pending
+            assert not self.rt.calls.pending
         finally:
             self._rt_cm.__exit__(None, None, None)
             self._portal_cm.__exit__(None, None, None)

@@ -436,7 +436,7 @@ class HostAgent(Actor):
                 continue
             held_up = False
             for owner in list(self._watched):
-                last = rt.heartbeats.get(owner, now)
+                last = rt.peers.last_heartbeat(owner) or now
                 if now - last > self.grace:
                     self._watched.discard(owner)
                     rt.peers.unwatch(owner)

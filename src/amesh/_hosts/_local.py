@@ -182,9 +182,9 @@ async def _zygote_for(rt: Runtime, child_env: Mapping[str, str]) -> Zygote | Non
     if slot is None:
         slot = _ZYGOTES[rt] = _ZygoteSlot()
         try:
-            # rt.owned is stopped at the runtime's exit, in reverse: the zygote, added
-            # before the meshes that use it, stops after them.
-            slot.zygote = await Zygote.start(rt.start_soon, lambda z: rt.owned.append(z))
+            # what the runtime owns is stopped at its exit, in reverse: the zygote,
+            # owned before the meshes that use it, stops after them.
+            slot.zygote = await Zygote.start(rt.start_soon, rt.own)
         except anyio.get_cancelled_exc_class():
             del _ZYGOTES[rt]  # let a later start try again
             raise

@@ -25,7 +25,7 @@ class ReadyWaiter:
         self.msg: _wire.Ready | None = None
         self._rt = rt
         self._ready = anyio.Event()
-        rt.ready_waiters[self.token] = self._on_ready
+        rt.expect_ready(self.token, self._on_ready)
 
     def _on_ready(self, msg: _wire.Ready) -> None:
         self.msg = msg
@@ -37,7 +37,7 @@ class ReadyWaiter:
         return self.msg
 
     def cancel(self) -> None:
-        self._rt.ready_waiters.pop(self.token, None)
+        self._rt.expect_ready(self.token, None)
 
     async def started(self, process: ProcessLike, pid: int, where: str = "") -> _wire.Ready:
         """The Ready of ``process`` (pid ``pid``, on host ``where``: "" for this one).

@@ -202,7 +202,7 @@ def _lease(rt: Runtime, agents: Sequence[str], graces: Sequence[float]) -> None:
     leases = _LEASES.get(rt)
     if leases is None:
         leases = _LEASES[rt] = _Leases(rt)
-        rt.owned.insert(0, leases)  # stopped last, after the meshes on the agents
+        rt.own(leases, first=True)  # stopped last, after the meshes on the agents
     for agent, grace in zip(agents, graces, strict=True):
         leases.add(agent, grace)
 

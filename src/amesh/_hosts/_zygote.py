@@ -50,11 +50,11 @@ Dying together:
   also ask for SIGKILL at the zygote's death (it forks from its only thread): a zygote
   that dies takes its workers along, and the controller reports them killed by SIGKILL.
 
-Lifetime: a runtime starts its zygote with its first local worker and lists it in
-``rt.owned``, which the runtime stops at its exit in reverse order, so after the meshes
-started later. Stopping kills any worker still running; the zygote reaps all its
-children before it exits, and the controller reaps the zygote, so nothing outlives the
-runtime.
+Lifetime: a runtime starts its zygote with its first local worker and owns it
+(``Runtime.own``): what a runtime owns is stopped at its exit in reverse order, so the
+zygote after the meshes started later. Stopping kills any worker still running; the
+zygote reaps all its children before it exits, and the controller reaps the zygote, so
+nothing outlives the runtime.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ class Lifecycle:
             await st.closed.wait()
             return
         rt = st.runtime
-        alive = [p for p in st.procs if p.addr not in rt.dead and p.returncode is None]
+        alive = [p for p in st.procs if p.addr not in rt.peers.dead and p.returncode is None]
         agents = self.agents_of(alive)
         failed = bool(st.unhandled)
         with anyio.move_on_after(FAILED_STOP_TIMEOUT if failed else STOP_ACTORS_TIMEOUT):
@@ -245,11 +245,11 @@ class Lifecycle:
                 except (ActorError, SupervisionError) as exc:
                     log.warning("stopping actor mesh %s: %s", key, exc)
         for key in st.spawned:
-            rt.failure_handlers.pop(key, None)
+            rt.handle_failures(key, None)
         st.closing = True
         for p in st.procs:
             p.expected_exit = True
-        alive = [p for p in st.procs if p.addr not in rt.dead and p.returncode is None]
+        alive = [p for p in st.procs if p.addr not in rt.peers.dead and p.returncode is None]
         try:
             await self.agents_of(alive).shutdown.broadcast()
         except Exception as exc:  # the processes are stopped below either way

@@ -148,7 +148,7 @@ class MeshSupervisor:
                 )
             last_tick = now
             for slot, handle in enumerate(list(st.procs)):
-                last = rt.heartbeats.get(handle.addr)
+                last = rt.peers.last_heartbeat(handle.addr)
                 if handle.failed or handle.expected_exit or last is None:
                     continue
                 silent = now - max(last, hearing_since)
@@ -259,7 +259,7 @@ class MeshSupervisor:
             for h in old:
                 h.expected_exit = True
                 rt.peers.unwatch(h.addr)
-                if h.addr not in rt.dead:
+                if h.addr not in rt.peers.dead:
                     rt.peer_failed(
                         h.addr,
                         Failure(

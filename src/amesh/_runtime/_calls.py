@@ -172,6 +172,10 @@ class Calls:
             _codec.release_payload(pending.payload)
             pending.payload = None
 
+    def in_flight(self, addr: str, actor: str) -> int:
+        """How many calls to ``actor`` at ``addr`` wait for their reply."""
+        return self.inflight.get((addr, actor), 0)
+
     def dec_inflight(self, addr: str, actor: str) -> None:
         k = (addr, actor)
         n = self.inflight.get(k, 0) - 1

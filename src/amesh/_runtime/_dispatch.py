@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import anyio
@@ -37,14 +38,16 @@ class Dispatch:
         self._links = links
         self._spawn = spawn
         self.pid = os.getpid()
-        self.actors: dict[str, ActorInstance] = {}
+        self._actors: dict[str, ActorInstance] = {}
+        #: the actors of this process by key (read-only: see :meth:`add`, :meth:`remove`)
+        self.actors: Mapping[str, ActorInstance] = MappingProxyType(self._actors)
         #: why recently stopped actors are gone, by key (see :meth:`gone`)
         self._gone: OrderedDict[str, str] = OrderedDict()
         #: (sender, call_id) of requests being handled, and their cancel scopes
-        self.running: dict[tuple[str, int], LazyScope] = {}
+        self._running: dict[tuple[str, int], LazyScope] = {}
         #: requests sitting in a mailbox, and those of them cancelled before they ran
-        self.queued: set[tuple[str, int]] = set()
-        self.cancelled: set[tuple[str, int]] = set()
+        self._queued: set[tuple[str, int]] = set()
+        self._cancelled: set[tuple[str, int]] = set()
         #: call ids of recent requests by sender, to drop duplicated frames: the
         #: newer generation, and the one before it. Ids count up, so each set's keys
         #: lie close together in memory, and forgetting is dropping a generation,
@@ -53,6 +56,50 @@ class Dispatch:
         self._older: dict[str, set[int]] = {}
         self._recent_count = 0
         self.duplicates = 0
+
+    def add(self, inst: ActorInstance) -> None:
+        """Take requests for ``inst`` from now on.
+
+        Raises:
+            ValueError: an actor with its key lives here already.
+        """
+        if inst.key in self._actors:
+            raise ValueError(f"an actor with key {inst.key!r} already lives here")
+        self._actors[inst.key] = inst
+
+    def remove(self, key: str) -> ActorInstance | None:
+        """Take no more requests for actor ``key``; returns it, if it lived here."""
+        return self._actors.pop(key, None)
+
+    def start(self, key: tuple[str, int]) -> bool:
+        """Request ``key`` leaves its mailbox to run: False if it was cancelled while it
+        waited there (it runs nothing then)."""
+        self._queued.discard(key)
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            return False
+        return True
+
+    def drop_if_cancelled(self, key: tuple[str, int]) -> bool:
+        """True (and the request is forgotten) if request ``key``, still queued, was
+        cancelled; it stays queued otherwise, so a later cancel still finds it."""
+        if key in self._cancelled:
+            self._queued.discard(key)
+            self._cancelled.discard(key)
+            return True
+        return False
+
+    def unqueue(self, key: tuple[str, int]) -> None:
+        """Request ``key`` leaves its mailbox without running (its actor failed)."""
+        self._queued.discard(key)
+
+    def running(self, key: tuple[str, int], scope: LazyScope) -> None:
+        """Request ``key`` runs in ``scope``, where a cancel finds it."""
+        self._running[key] = scope
+
+    def ended(self, key: tuple[str, int]) -> None:
+        """Request ``key`` (one that registered a scope) ended."""
+        self._running.pop(key, None)
 
     def seen(self, sender: str, call_id: int) -> bool:
         """Whether request ``call_id`` of ``sender`` came recently."""
@@ -84,7 +131,7 @@ class Dispatch:
     def accept(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
         """Queue a request for a local actor, or answer why it cannot run."""
         key = (env.sender, env.call_id)
-        inst = self.actors.get(env.actor)
+        inst = self._actors.get(env.actor)
         if inst is None:
             why = self._gone.get(env.actor)  # (stopped or replaced: says which mesh)
             self._decline(env, why or f"no actor {env.actor!r} is running in process {self.pid}")
@@ -96,11 +143,11 @@ class Dispatch:
             return
         if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
             return
-        self.queued.add(key)
+        self._queued.add(key)
         try:
             inst.put(env, buffers)
         except anyio.ClosedResourceError:  # the actor is stopping: it takes nothing more
-            self.queued.discard(key)
+            self._queued.discard(key)
             self._decline(env, f"actor {env.actor!r} is stopping in process {self.pid}")
 
     def gone(self, key: str, why: str) -> None:
@@ -122,11 +169,11 @@ class Dispatch:
 
     def cancel(self, key: tuple[str, int], relayed: bool) -> None:
         """The sender cancelled request ``key`` (``relayed``: we were gathering it)."""
-        scope = self.running.get(key)
+        scope = self._running.get(key)
         if scope is not None:
             scope.cancel()
-        elif key in self.queued:
-            self.cancelled.add(key)
+        elif key in self._queued:
+            self._cancelled.add(key)
         elif not relayed and not self.seen(*key):
             # The cancel overtook the request (it came down the relay tree): the
             # request, when it comes, is dropped like a duplicate.

@@ -97,6 +97,12 @@ class Links:
         #: frames and messages dropped here, rather than sent or handled (see drop)
         self.dropped = 0
 
+    def use(self, transport: Transport) -> None:
+        """Send through ``transport`` from now on, as its address (the process moved to
+        it before any peer knew the old one: see :meth:`Runtime.listen_instead`)."""
+        self.transport = transport
+        self.address = transport.address
+
     # -- the outbox ---------------------------------------------------------------------
 
     async def send(self, addr: str, env: _wire.Envelope, buffers: list[Any] | None = None) -> None:

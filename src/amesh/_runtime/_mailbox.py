@@ -229,10 +229,7 @@ class Invocation:
         """Run the handler (arguments in ``buffers``' views) as far as it can without
         waiting, and reply if it is done. Returns the rest to await, if any."""
         actor, env, handler, key = self.actor, self.env, self.handler, self.key
-        rt = actor.runtime
-        rt.queued.discard(key)
-        if key in rt.cancelled:  # cancelled after it left the mailbox, before it ran
-            rt.cancelled.discard(key)
+        if not actor.runtime.dispatch.start(key):  # cancelled before it ran
             return None
         method = env.method
         is_call = type(env) is _wire.Call
@@ -293,14 +290,14 @@ class Invocation:
         """The handler's scope, where a cancel (and :meth:`ActorInstance.status`) finds
         it."""
         scope = self.scope = self.ctx.scope = LazyScope()
-        self.actor.runtime.running[self.key] = scope
+        self.actor.runtime.dispatch.running(self.key, scope)
         self.actor._running[scope] = self.env.method
         return scope
 
     def _ended(self) -> None:
         scope = self.scope
         if scope is not None:
-            self.actor.runtime.running.pop(self.key, None)
+            self.actor.runtime.dispatch.ended(self.key)
             self.actor._running.pop(scope, None)
         self.actor.handled += 1
 
@@ -562,12 +559,10 @@ class ActorInstance:
             # The request counts as queued until its handler registers as running, so
             # a cancel in between (waiting for the serial handler, or for its task to
             # start) is not lost: the handler sees it and does not run.
-            if key in rt.cancelled:
-                rt.queued.discard(key)
-                rt.cancelled.discard(key)
+            if rt.dispatch.drop_if_cancelled(key):
                 continue
             if self.failed is not None:
-                rt.queued.discard(key)
+                rt.dispatch.unqueue(key)
                 await self.refuse(env)
                 continue
             handler = self.handlers.get(env.method)

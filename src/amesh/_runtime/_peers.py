@@ -27,7 +27,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import anyio
 
 from .. import _wire
 from .._errors import Failure
@@ -59,45 +62,67 @@ def peer_of(addr: str) -> tuple[str | None, int | None]:
 
 
 class Peers:
-    """The peer table of one runtime."""
+    """The peer table of one runtime: the only writer of who is dead.
 
-    def __init__(
-        self, dead: dict[str, Failure], calls: Calls, router: Router, links: Links
-    ) -> None:
+    The other parts read the table through :attr:`dead`, a read-only view; the
+    router and the links are given with :meth:`connect` (they are made after the
+    peers, with that view).
+    """
+
+    def __init__(self, calls: Calls) -> None:
         self._calls = calls
-        self._router = router
-        self._links = links
-        #: addresses of processes known to be dead -> why (shared with the other parts)
-        self.dead = dead
+        self._router: Router | None = None
+        self._links: Links | None = None
+        #: addresses of processes known to be dead -> why
+        self._dead: dict[str, Failure] = {}
+        self.dead: Mapping[str, Failure] = MappingProxyType(self._dead)
         #: addresses of workers this runtime supervises -> when their last heartbeat
         #: came (anyio clock)
-        self.heartbeats: dict[str, float] = {}
+        self._heartbeats: dict[str, float] = {}
         #: supervised addresses -> what to do when their link breaks
         self._watchers: dict[str, Callable[[str], None]] = {}
         #: the address of this process's own supervisor, if any
         self.parent = ""
         self.notices = 0
+        self.heartbeats_received = 0
+
+    def connect(self, router: Router, links: Links) -> None:
+        """The parts a death reaches: the calls the router sent through a dead relay,
+        and the link to the dead process."""
+        self._router, self._links = router, links
 
     def watch(self, addr: str, on_link_lost: Callable[[str], None], now: float) -> None:
         """This runtime supervises ``addr``: its heartbeats count from ``now``, and a
         broken link to it goes to ``on_link_lost(why)`` instead of failing it."""
         self._watchers[addr] = on_link_lost
-        self.heartbeats[addr] = now
+        self._heartbeats[addr] = now
+
+    def last_heartbeat(self, addr: str) -> float | None:
+        """When the last heartbeat of supervised ``addr`` came (anyio clock), or None if
+        it is not watched."""
+        return self._heartbeats.get(addr)
+
+    def on_heartbeat(self, env: _wire.Heartbeat) -> None:
+        """A heartbeat from ``env.addr`` (which its link proved)."""
+        self.heartbeats_received += 1
+        if env.addr in self._heartbeats:
+            self._heartbeats[env.addr] = anyio.current_time()
 
     def unwatch(self, addr: str) -> None:
         self._watchers.pop(addr, None)
-        self.heartbeats.pop(addr, None)
+        self._heartbeats.pop(addr, None)
 
     def failed(self, addr: str, why: Failure, announce: bool = False) -> None:
         """The process at ``addr`` is gone: fail every call waiting on it, now and
         later; with ``announce``, tell the processes that may be calling it."""
-        if addr in self.dead:
+        if addr in self._dead:
             return
-        self.dead[addr] = why
-        if len(self.dead) > DEAD_KEPT:
-            del self.dead[next(iter(self.dead))]  # the oldest death (see the module doc)
-        self.heartbeats.pop(addr, None)
+        self._dead[addr] = why
+        if len(self._dead) > DEAD_KEPT:
+            del self._dead[next(iter(self._dead))]  # the oldest death (see the module doc)
+        self._heartbeats.pop(addr, None)
         self._calls.fail_addr(addr, why)
+        assert self._router is not None and self._links is not None, "connect() first"
         self._router.peer_failed(addr, why)
         self._links.forget(addr)
         if announce:
@@ -107,7 +132,7 @@ class Peers:
         """Take the process at ``addr`` for alive again: a well-known address (a host
         agent's, which has no tag) that someone asks for anew may name a new process
         there, started after the one that this runtime saw die."""
-        if self.dead.pop(addr, None) is not None:
+        if self._dead.pop(addr, None) is not None:
             log.info("%s is asked for again: no longer taken for dead", addr)
 
     def _announce(self, addr: str, why: Failure) -> None:
@@ -121,8 +146,9 @@ class Peers:
             why.exit_code,
             why.signal,
         )
+        assert self._links is not None, "connect() first"
         for peer in [*self._watchers, self.parent]:
-            if peer and peer != addr and peer not in self.dead:
+            if peer and peer != addr and peer not in self._dead:
                 self._links.send_nowait(peer, notice)
 
     def on_notice(self, env: _wire.Died, peer: str) -> bool:
@@ -132,6 +158,7 @@ class Peers:
         notices; from anyone else a notice is refused (False)."""
         if peer != self.parent and peer not in self._watchers:
             return False
+        assert self._links is not None, "connect() first"
         if env.addr in self._watchers or env.addr == self._links.address:
             return True
         self.notices += 1
@@ -143,7 +170,7 @@ class Peers:
 
     def link_lost(self, addr: str, why: str) -> None:
         """The transport's link to ``addr`` broke."""
-        if addr in self.dead:
+        if addr in self._dead:
             return
         watcher = self._watchers.get(addr)
         if watcher is not None:

@@ -21,8 +21,7 @@ __all__ = ["Relays"]
 class Relays:
     """The gathers of the calls this process relays."""
 
-    def __init__(self, address: str, calls: Calls, links: Links) -> None:
-        self.address = address
+    def __init__(self, calls: Calls, links: Links) -> None:
         self._calls = calls
         self._links = links
         #: gathers of replies by id, and their ids by (sender, call id)
@@ -31,6 +30,11 @@ class Relays:
         self.relayed = 0
         #: replies dropped because they came from a peer the request did not go to
         self.refused = 0
+
+    @property
+    def address(self) -> str:
+        """This process's address (its links'), where gathered replies come back."""
+        return self._links.address
 
     def relay(
         self, env: _wire.Relay, buffers: list[Any], accept: Callable[[Any, list[Any]], None]

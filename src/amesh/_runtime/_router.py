@@ -71,8 +71,7 @@ class _Relayed:
 class Router:
     """Sends calls and casts to their ranks, and handles the death of a relay."""
 
-    def __init__(self, address: str, calls: Calls, links: Links, dead: Mapping[str, Failure]):
-        self.address = address
+    def __init__(self, calls: Calls, links: Links, dead: Mapping[str, Failure]):
         self._calls = calls
         self._links = links
         self._dead = dead
@@ -81,6 +80,11 @@ class Router:
         #: (address, actor key) -> (number, cast) of relayed casts awaiting its credit
         self._awaiting: dict[tuple[str, str], deque[tuple[int, _Relayed]]] = {}
         self.resent = 0
+
+    @property
+    def address(self) -> str:
+        """This process's address (its links'), which requests name as their sender."""
+        return self._links.address
 
     def _heads(
         self, targets: dict[int, str], tree: Tree | None, pending: Pending | None = None

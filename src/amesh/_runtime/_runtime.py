@@ -13,7 +13,10 @@ one runtime while it is active. The runtime is made of parts with one job each:
 - :class:`~amesh._runtime._output.Outputs`: the printers of its workers' output.
 
 :meth:`Runtime.deliver` runs synchronously on the event loop for each inbound frame and
-hands each envelope to the part that owns it.
+hands each envelope to the part that owns it, through one table keyed by envelope type.
+Each part owns its state: the others (and other packages) use its methods, or read it
+through a read-only view (who is dead: :attr:`Peers.dead`; the actors here:
+:attr:`Dispatch.actors`); the runtime keeps no copies of them.
 
 Service tasks (the transport's receive loop, outbox drains, actors, the watchers of
 meshes) run in the runtime's own task group; the body that opened the runtime runs in
@@ -133,44 +136,55 @@ class Runtime:
         #: the event loop's own Event class (cheaper than anyio's on the hot path)
         self.new_event = native_event_class()
         self.calls = Calls(native_wakeup_class())  # one waiter per pending call
-        dead: dict[str, Failure] = {}
-        self.links = Links(transport, self._route_own, self.start_soon, dead, self.new_event)
-        self.router = Router(self.address, self.calls, self.links, dead)
-        self.relays = Relays(self.address, self.calls, self.links)
-        self.peers = Peers(dead, self.calls, self.router, self.links)
+        self.peers = Peers(self.calls)  # the only writer of who is dead
+        self.links = Links(
+            transport, self._route_own, self.start_soon, self.peers.dead, self.new_event
+        )
+        self.router = Router(self.calls, self.links, self.peers.dead)
+        self.peers.connect(self.router, self.links)
+        self.relays = Relays(self.calls, self.links)
         self.dispatch = Dispatch(self.links, self.start_soon)
+        #: printers of the output of the workers this runtime supervises
+        self.outputs = Outputs()
         #: broken links reported outside any task (a loop callback), for _serve_lost
         self._lost: deque[tuple[str, str]] = deque()
         self._lost_wake: Any = None
         transport.set_lost_handler(self._link_lost)
-        # shared containers, by the names the rest of amesh uses
-        self.pending = self.calls.pending
-        self.inflight = self.calls.inflight
-        self.dead = self.peers.dead
-        self.heartbeats = self.peers.heartbeats
-        self.actors = self.dispatch.actors
-        self.running = self.dispatch.running
-        self.queued = self.dispatch.queued
-        self.cancelled = self.dispatch.cancelled
-        self.ready_waiters: dict[str, Callable[[_wire.Ready], None]] = {}
-        #: printers of the output of the workers this runtime supervises
-        self.outputs = Outputs()
+        #: what a Ready with a given token goes to (see :meth:`expect_ready`)
+        self._ready_waiters: dict[str, Callable[[_wire.Ready], None]] = {}
         #: actor key -> what to do with a failure report from ``peer``
-        self.failure_handlers: dict[str, Callable[[_wire.FailureReport, str], None]] = {}
-        #: meshes started outside any actor (owned by the controller itself)
-        self.owned: list[Owned] = []
+        self._failure_handlers: dict[str, Callable[[_wire.FailureReport, str], None]] = {}
+        #: meshes (and what they need) started outside any actor: the controller's own
+        self._owned: list[Owned] = []
         #: unhandled failures of those meshes; they cancel the runtime's body
         self.root_failures: list[Failure] = []
         #: instead of cancelling the body, what to do with such a failure (the
         #: session's runtime has no body to cancel: it prints them)
         self.on_root_failure: Callable[[Failure], None] | None = None
+        #: inbound frames by envelope type -> the part (or method) that takes them;
+        #: a call and a reply may also come from this process itself
+        self._routes: dict[type[_wire.Envelope], Callable[[Any, list[Any], str], None]] = {
+            _wire.Reply: self._on_reply,
+            _wire.Error: self._on_reply,
+            _wire.Call: self._on_request,
+            _wire.Cast: self._on_request,
+            _wire.Relay: self._on_relay,
+            _wire.Gathered: self._on_gathered,
+            _wire.Credit: self._on_credit,
+            _wire.Cancel: self._on_cancel,
+            _wire.Prune: self._on_prune,
+            _wire.Ready: self._on_ready,
+            _wire.FailureReport: self._on_failure,
+            _wire.Heartbeat: self._on_heartbeat,
+            _wire.Died: self._on_died,
+            _wire.Output: self._on_output,
+        }
         self._frames_dropped = 0
         #: replies to calls no longer open (late, after a timeout or cancel)
         self._late = 0
         #: frames whose sender field names another process than the one that sent them
         self._refused = 0
         self._bad_version = 0
-        self._heartbeats = 0
 
     @property
     def closed(self) -> bool:
@@ -216,7 +230,7 @@ class Runtime:
                 actors; the message names its address.
         """
         used = self.transport.statistics()
-        if used.frames_sent or used.frames_received or self.actors or self.owned:
+        if used.frames_sent or used.frames_received or self.dispatch.actors or self._owned:
             transport.close()
             raise RuntimeError(
                 f"this controller listens at {self.address}, which other machines cannot "
@@ -226,9 +240,8 @@ class Runtime:
                 "network>"
             )
         old, self.transport = self.transport, transport
-        self.address = self.links.address = self.router.address = transport.address
-        self.links.transport = transport
-        self.relays.address = transport.address
+        self.address = transport.address
+        self.links.use(transport)
         transport.set_lost_handler(self._link_lost)
         self._tg.start_soon(self._serve, transport)
         old.close()
@@ -250,14 +263,14 @@ class Runtime:
             duplicates_dropped=self.dispatch.duplicates,
             bad_version=self._bad_version,
             calls_sent=self.calls.sent,
-            calls_pending=len(self.pending),
-            actors=len(self.actors),
+            calls_pending=len(self.calls.pending),
+            actors=len(self.dispatch.actors),
             frames_sent=t.frames_sent,
             frames_received=t.frames_received,
             relayed=self.relays.relayed,
             gathers=len(self.relays.gathers),
             credit_waits=self.links.credit_waits,
-            heartbeats_received=self._heartbeats,
+            heartbeats_received=self.peers.heartbeats_received,
             auth_refused=t.auth_refused,
             casts_resent=self.router.resent,
             death_notices=self.peers.notices,
@@ -298,7 +311,7 @@ class Runtime:
         """Forget ``pending``; ask the ranks (and relays) that did not answer to stop:
         the call ended early (an error, a timeout, a cancel)."""
         for addr, request_id in self.calls.close(pending):
-            if addr not in self.dead:
+            if addr not in self.peers.dead:
                 self.links.send_nowait(addr, _wire.Cancel(self.address, request_id))
 
     async def send_casts(
@@ -335,12 +348,43 @@ class Runtime:
     async def report_failure(self, owner: str, failure: _wire.FailureReport) -> None:
         """Tell ``owner`` that an actor here failed."""
         if owner == self.address:
-            self._on_failure(failure, self.address)
+            self._on_failure(failure, [], self.address)
         else:
             await self.send_frame(owner, failure)
 
-    def _on_failure(self, failure: _wire.FailureReport, peer: str) -> None:
-        handler = self.failure_handlers.get(failure.actor)
+    def handle_failures(
+        self, actor: str, handler: Callable[[_wire.FailureReport, str], None] | None
+    ) -> None:
+        """Failure reports of actor mesh ``actor`` go to ``handler(report, peer)`` from
+        now on (None: nobody's; a report that comes then is dropped and logged)."""
+        if handler is None:
+            self._failure_handlers.pop(actor, None)
+        else:
+            self._failure_handlers[actor] = handler
+
+    def own(self, owned: Owned, first: bool = False) -> None:
+        """Stop ``owned`` at this runtime's exit, in reverse order of owning (``first``:
+        stopped after everything owned so far and later)."""
+        if first:
+            self._owned.insert(0, owned)
+        else:
+            self._owned.append(owned)
+
+    def disown(self, owned: Owned) -> None:
+        """``owned`` was stopped already (or is stopped by somebody else)."""
+        if owned in self._owned:
+            self._owned.remove(owned)
+
+    def expect_ready(self, token: str, waiter: Callable[[_wire.Ready], None] | None) -> None:
+        """The first :class:`~amesh._wire.Ready` with ``token`` goes to ``waiter`` (None:
+        nothing waits for it any more)."""
+        if waiter is None:
+            self._ready_waiters.pop(token, None)
+        else:
+            self._ready_waiters[token] = waiter
+
+    def _on_failure(self, failure: _wire.FailureReport, buffers: list[Any], peer: str) -> None:
+        handler = self._failure_handlers.get(failure.actor)
         if handler is None:
             self._frames_dropped += 1
             _drops.warning(
@@ -356,14 +400,13 @@ class Runtime:
     # -- local actors -------------------------------------------------------------------
 
     def add_actor(self, inst: ActorInstance) -> None:
-        if inst.key in self.actors:
-            raise ValueError(f"an actor with key {inst.key!r} already lives here")
-        self.actors[inst.key] = inst
+        """Start ``inst`` here (see :meth:`Dispatch.add`)."""
+        self.dispatch.add(inst)
         self._tg.start_soon(inst.run)
 
     def remove_actor(self, key: str) -> ActorInstance | None:
         """Unregister an actor (stop it with :meth:`ActorInstance.stop`)."""
-        return self.actors.pop(key, None)
+        return self.dispatch.remove(key)
 
     # -- inbound ----------------------------------------------------------------------
 
@@ -377,15 +420,7 @@ class Runtime:
                 return
         env, buffers = got
         try:
-            # nearly every frame is a call or a reply: those first, without _route
-            if type(env) is _wire.Reply:
-                self._on_reply(env, buffers, env.call_id, peer)
-            elif type(env) is _wire.Call:
-                dispatch = self.dispatch
-                if not dispatch.is_duplicate(env.sender, env.call_id):
-                    dispatch.accept(env, buffers)
-            else:
-                self._route(env, buffers, peer)
+            self._routes[type(env)](env, buffers, peer)
         except Exception as exc:  # a router bug must not take the process down
             self._frames_dropped += 1
             # (the traceback formatted only for a line that is logged: a bug that
@@ -419,7 +454,7 @@ class Runtime:
 
     def _route_own(self, env: _wire.Envelope, buffers: list[Any]) -> None:
         """Route a frame this process sent to itself."""
-        self._route(env, buffers, self.address)
+        self._routes[type(env)](env, buffers, self.address)
 
     def _refuse(self, env: _wire.Envelope, claimed: str, peer: str) -> None:
         """Drop a frame that speaks for ``claimed`` but came from ``peer``."""
@@ -428,9 +463,15 @@ class Runtime:
             "dropped a %s from %s that claims to come from %s", type(env).__name__, peer, claimed
         )
 
+    # -- the routes (see _routes): one per envelope type ----------------------------------
+
     def _on_reply(
-        self, env: _wire.Reply | _wire.Error, buffers: list[Any], cid: int, peer: str
+        self, env: _wire.Reply | _wire.Error, buffers: list[Any], peer: str, cid: int = 0
     ) -> None:
+        """A reply for call ``cid`` (its own ``call_id`` unless given): to the call, a
+        relay's gather, or late."""
+        if not cid:
+            cid = env.call_id
         if self.calls.on_reply(env, buffers, cid, peer):
             if self.outputs.holding:
                 pending = self.calls.pending.get(cid)
@@ -443,71 +484,74 @@ class Runtime:
                 # nobody will load it: its shared-memory segments go now
                 _codec.discard_segments(_wire.unpack(env.payload, buffers)[0])
 
-    def _route(self, env: _wire.Envelope, buffers: list[Any], peer: str) -> None:
-        if isinstance(env, (_wire.Reply, _wire.Error)):
-            self._on_reply(env, buffers, env.call_id, peer)
-        elif isinstance(env, (_wire.Call, _wire.Cast)):
-            # A request may have come down the relay tree: its sender is the caller,
-            # not the peer that passed it on.
-            if not self.dispatch.is_duplicate(env.sender, env.call_id):
-                self.dispatch.accept(env, buffers)
-        elif isinstance(env, _wire.Relay):
-            if not self.dispatch.is_duplicate(env.sender, env.call_id):
-                self.relays.relay(env, buffers, self.dispatch.accept)
-        elif isinstance(env, _wire.Gathered):
-            pos = 0
-            for item in env.replies:
-                n = len(item.buffers) if isinstance(item, _wire.Reply) else 0
-                # a reply in a Gathered keeps the id of the relay's gather
-                self._on_reply(item, buffers[pos : pos + n], env.call_id, peer)
-                pos += n
-        elif isinstance(env, _wire.Credit):
-            # credit and probes come straight from the process they speak for
-            if env.addr != peer:
-                self._refuse(env, env.addr, peer)
-            elif env.count < 0:
-                self.links.on_probe(env, env.actor in self.actors)
-            else:
-                count = self.links.on_credit(env)
-                self.router.credited(env.addr, env.actor, count)
-        elif isinstance(env, _wire.Cancel):
-            # a cancel comes straight from the caller, also to the relays
-            if env.sender != peer:
-                self._refuse(env, env.sender, peer)
-                return
-            key = (env.sender, env.call_id)
-            self.dispatch.cancel(key, relayed=self.relays.cancel(key))
-        elif isinstance(env, _wire.Prune):
-            if env.sender != peer:
-                self._refuse(env, env.sender, peer)
-                return
-            self.relays.prune(env)
-        elif isinstance(env, _wire.Ready):
-            if env.addr != peer:
-                self._refuse(env, env.addr, peer)
-                return
-            waiter = self.ready_waiters.pop(env.token, None)
-            if waiter is not None:
-                waiter(env)
-                self.outputs.started(env.addr)
-        elif isinstance(env, _wire.FailureReport):
-            self._on_failure(env, peer)
-        elif isinstance(env, _wire.Heartbeat):
-            if env.addr != peer:
-                self._refuse(env, env.addr, peer)
-                return
-            self._heartbeats += 1
-            if env.addr in self.heartbeats:
-                self.heartbeats[env.addr] = anyio.current_time()
-        elif isinstance(env, _wire.Died):
-            if not self.peers.on_notice(env, peer):
-                self._refused += 1
-                _drops.warning("dropped a death notice for %s from %s", env.addr, peer)
-        elif isinstance(env, _wire.Output):
-            # only from a process this runtime supervises (it has a printer)
-            if not self.outputs.deliver(env, peer):
-                self._refused += 1
-                _drops.warning("dropped the output of %s, which is not supervised here", peer)
+    def _on_request(self, env: _wire.Call | _wire.Cast, buffers: list[Any], peer: str) -> None:
+        # A request may have come down the relay tree: its sender is the caller, not
+        # the peer that passed it on.
+        dispatch = self.dispatch
+        if not dispatch.is_duplicate(env.sender, env.call_id):
+            dispatch.accept(env, buffers)
+
+    def _on_relay(self, env: _wire.Relay, buffers: list[Any], peer: str) -> None:
+        if not self.dispatch.is_duplicate(env.sender, env.call_id):
+            self.relays.relay(env, buffers, self.dispatch.accept)
+
+    def _on_gathered(self, env: _wire.Gathered, buffers: list[Any], peer: str) -> None:
+        pos = 0
+        for item in env.replies:
+            n = len(item.buffers) if isinstance(item, _wire.Reply) else 0
+            # a reply in a Gathered keeps the id of the relay's gather
+            self._on_reply(item, buffers[pos : pos + n], peer, env.call_id)
+            pos += n
+
+    def _on_credit(self, env: _wire.Credit, buffers: list[Any], peer: str) -> None:
+        # credit and probes come straight from the process they speak for
+        if env.addr != peer:
+            self._refuse(env, env.addr, peer)
+        elif env.count < 0:
+            self.links.on_probe(env, env.actor in self.dispatch.actors)
+        else:
+            count = self.links.on_credit(env)
+            self.router.credited(env.addr, env.actor, count)
+
+    def _on_cancel(self, env: _wire.Cancel, buffers: list[Any], peer: str) -> None:
+        # a cancel comes straight from the caller, also to the relays
+        if env.sender != peer:
+            self._refuse(env, env.sender, peer)
+            return
+        key = (env.sender, env.call_id)
+        self.dispatch.cancel(key, relayed=self.relays.cancel(key))
+
+    def _on_prune(self, env: _wire.Prune, buffers: list[Any], peer: str) -> None:
+        if env.sender != peer:
+            self._refuse(env, env.sender, peer)
+            return
+        self.relays.prune(env)
+
+    def _on_ready(self, env: _wire.Ready, buffers: list[Any], peer: str) -> None:
+        if env.addr != peer:
+            self._refuse(env, env.addr, peer)
+            return
+        waiter = self._ready_waiters.pop(env.token, None)
+        if waiter is not None:
+            waiter(env)
+            self.outputs.started(env.addr)
+
+    def _on_heartbeat(self, env: _wire.Heartbeat, buffers: list[Any], peer: str) -> None:
+        if env.addr != peer:
+            self._refuse(env, env.addr, peer)
+            return
+        self.peers.on_heartbeat(env)
+
+    def _on_died(self, env: _wire.Died, buffers: list[Any], peer: str) -> None:
+        if not self.peers.on_notice(env, peer):
+            self._refused += 1
+            _drops.warning("dropped a death notice for %s from %s", env.addr, peer)
+
+    def _on_output(self, env: _wire.Output, buffers: list[Any], peer: str) -> None:
+        # only from a process this runtime supervises (it has a printer)
+        if not self.outputs.deliver(env, peer):
+            self._refused += 1
+            _drops.warning("dropped the output of %s, which is not supervised here", peer)
 
 
 #: runtimes open in this process (in-process test workers are runtimes too)
@@ -594,7 +638,7 @@ class open_runtime:
         if swallowed:
             exc = (None, None, None)
         with anyio.CancelScope(shield=True):
-            owned, rt.owned = rt.owned, []
+            owned, rt._owned = rt._owned, []
             for res in reversed(owned):
                 try:
                     await res.stop()
@@ -602,7 +646,7 @@ class open_runtime:
                     log.exception("stopping a mesh at runtime exit")
         runtime_var.reset(self._token)
         rt.closed = True
-        for inst in list(rt.actors.values()):
+        for inst in list(rt.dispatch.actors.values()):
             inst.close()
         self._tg.cancel_scope.cancel()
         try:
