@@ -212,7 +212,7 @@ def test_unknown_variables_are_warned_of_once_with_the_closest_setting(
     monkeypatch.setattr(_config, "_warned", set())
     for var in ("AMESH_HEARTBEAT_TIMOUT", "AMESH_FANOUTT", "AMESH_QQQQ"):
         monkeypatch.setenv(var, "1")
-    known = ("AMESH_OUTPUT_RANK", "AMESH_TEST_ANYTHING", "AMESH_SLURM_DIR", "AMESH_EXT_DEBUG")
+    known = ("AMESH_DEBUG_RELAYED", "AMESH_TEST_ANYTHING", "AMESH_SLURM_DIR", "AMESH_EXT_DEBUG")
     for var in known:
         monkeypatch.setenv(var, "1")
     with pytest.warns(UserWarning) as record:
@@ -248,9 +248,9 @@ def test_the_send_window_floors_are_the_credit_batches() -> None:
 def test_internal_variables_are_not_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     names = {_config._var(f.name) for f in dataclasses.fields(_config.Settings)}
     assert names.isdisjoint(_config.INTERNAL)
-    monkeypatch.setenv("AMESH_OUTPUT_RANK", "3")
-    assert _config.take_internal("AMESH_OUTPUT_RANK") == "3"
-    assert "AMESH_OUTPUT_RANK" not in os.environ
+    monkeypatch.setenv("AMESH_DEBUG_RELAYED", "3")
+    assert _config.take_internal("AMESH_DEBUG_RELAYED") == "3"
+    assert "AMESH_DEBUG_RELAYED" not in os.environ
     with pytest.raises(KeyError):
         _config.take_internal("AMESH_FANOUT")
 

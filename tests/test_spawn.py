@@ -454,8 +454,9 @@ async def test_each_worker_has_its_meshs_environment_whichever_came_before() -> 
         assert not any(k.startswith("AMESH_TEST_MANY") for k in worker["env"])
     for worker in [*plain, *again]:
         assert not any(k.startswith(("AMESH_TEST_MANY", "AMESH_TEST_FEW")) for k in worker["env"])
-        # (what a worker takes for itself is not passed on)
-        assert not {"AMESH_OUTPUT_LABEL", "AMESH_OUTPUT_RANK"} & worker["env"].keys()
+        # (what the mesh asks of a worker is in its spec, not in its environment)
+        internal = {"AMESH_OUTPUT_LABEL", "AMESH_OUTPUT_RANK", "AMESH_WORKER_BACKEND"}
+        assert not internal & worker["env"].keys()
 
 
 async def test_a_worker_takes_settings_that_differ_from_the_zygotes() -> None:
@@ -700,12 +701,20 @@ def _send_raw(zygote: Any, change: dict[str, str], base: dict[str, str] | None) 
 
     import msgspec
 
-    from amesh._bootstrap import Bootstrap
+    from amesh._bootstrap import Bootstrap, WorkerSpec
     from amesh._hosts import _zygote
 
     rid = next(zygote._ids)
     req = zygote._requests[rid] = _zygote._Request()
-    boot = Bootstrap("unused", 0, "", "", "", [], 1.0, False, key=b"")
+    boot = Bootstrap(
+        spec=WorkerSpec(),
+        parent="unused",
+        parent_pid=0,
+        token="",
+        sys_path=[],
+        pdeathsig=False,
+        key=b"",
+    )
     spawn = _zygote.Spawn(rid, change, [], base, os.getcwd(), boot)
     zygote._sock.sendmsg(
         [msgspec.msgpack.encode(spawn)],

@@ -1,7 +1,10 @@
 """What a worker process needs to know at start.
 
-A host (:mod:`amesh._hosts`) writes it, the worker (:mod:`amesh._worker`) reads it;
-it lives below both so that neither imports the other for it. It holds the job key, so
+A mesh says what it asks of each worker in a :class:`WorkerSpec`; every host starts a
+worker from one (:meth:`amesh._mesh.Host.start_proc`), and the worker gets it, with
+what its host adds (its parent, the job key), in its :class:`Bootstrap`. A host
+(:mod:`amesh._hosts`) writes that, the worker (:mod:`amesh._worker`) reads it; it
+lives below both so that neither imports the other for it. It holds the job key, so
 it travels only over private channels, never in an environment or on a command line:
 the stdin pipe of an exec'd worker (:meth:`Bootstrap.to_pipe`, :func:`read_bootstrap`)
 or the zygote's control socket for a forked one.
@@ -14,30 +17,53 @@ import struct
 
 import msgspec
 
-__all__ = ["Bootstrap", "read_bootstrap"]
+__all__ = ["Bootstrap", "WorkerSpec", "read_bootstrap", "started_as", "this_worker"]
 
 _LEN = struct.Struct("<I")
 #: A bootstrap is a few kilobytes (mostly sys.path); anything far larger is not one.
 _MAX_SIZE = 1 << 20
 
 
-class Bootstrap(msgspec.Struct, frozen=True):
-    """What a worker needs to know at start."""
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a mesh asks of one of its workers, whichever host starts it."""
 
+    #: its process slot in the mesh (a host of many machines places it by slot)
+    slot: int = 0
+    #: how it listens (as its controller does: ``abstract``, ``stream+tcp``,
+    #: ``tls+tcp``...), on the interface ``host``; a host agent decides both for its own
+    scheme: str = "auto"
+    host: str = "127.0.0.1"
+    #: environment variables it gets beside its host's own (the settings given to
+    #: :func:`amesh.configure`, the mesh's ``env=``)
+    env: dict[str, str] = {}
+    #: how often it sends heartbeats, and how long its supervisor waits for one: it
+    #: stops sending them once its main thread has been stuck in the kernel this long
+    heartbeat_period: float = 0.5
+    heartbeat_timeout: float = 5.0
+    #: its event loop: ``asyncio`` or ``trio``
+    backend: str = "asyncio"
+    #: what becomes of its output (``folded``, ``raw``, ``off``: see
+    #: :mod:`amesh._runtime._output`), and the mesh's name its lines carry; with no
+    #: label, it writes to the stdout and stderr it inherited
+    output: str = "folded"
+    output_label: str = ""
+    #: a file its output lines also go to (a persistent mesh's worker: its host agent
+    #: serves them when no controller is there)
+    output_file: str = ""
+
+
+class Bootstrap(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker needs to know at start: its spec and what its host adds."""
+
+    spec: WorkerSpec
     parent: str
     parent_pid: int
     token: str
-    scheme: str
-    host: str
     sys_path: list[str]
-    heartbeat_period: float
     #: whether the worker may ask for the kernel's parent-death signal
     pdeathsig: bool
     #: the job key (:mod:`amesh._identity`), adopted before the worker listens
     key: bytes
-    #: how long its supervisor waits for a heartbeat: the worker stops sending them
-    #: once its main thread has been stuck in the kernel this long
-    heartbeat_timeout: float = 5.0
 
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -50,6 +76,22 @@ class Bootstrap(msgspec.Struct, frozen=True):
         """What the parent writes first into the worker's stdin pipe."""
         data = self.to_bytes()
         return _LEN.pack(len(data)) + data
+
+
+#: the spec this process was started from, if it is a worker (see :func:`started_as`)
+_this_worker: WorkerSpec | None = None
+
+
+def started_as(spec: WorkerSpec) -> None:
+    """This process is a worker started from ``spec`` (its entry point says so)."""
+    global _this_worker
+    _this_worker = spec
+
+
+def this_worker() -> WorkerSpec | None:
+    """The spec this process was started from; None outside a worker process (the
+    controller, an in-process rank)."""
+    return _this_worker
 
 
 def read_bootstrap(fd: int) -> Bootstrap:

@@ -16,6 +16,7 @@ import msgspec
 
 from . import _codec, _reload
 from ._actor import Actor, endpoint, handlers_of
+from ._bootstrap import WorkerSpec, this_worker
 from ._runtime._capture import output_identity
 from ._runtime._context import CallContext, call_context
 from ._runtime._mailbox import ActorInstance
@@ -134,6 +135,12 @@ class ProcAgent(Actor):
         stats = msgspec.structs.asdict(current_runtime().statistics())
         stats["parent_death_signal"] = _parent_death_signal()
         return stats
+
+    @endpoint
+    def spec(self) -> WorkerSpec | None:
+        """What this worker's mesh asked of it (None: a rank in its controller's
+        process)."""
+        return this_worker()
 
     @endpoint
     def status(self) -> dict[str, Any]:

@@ -53,8 +53,8 @@ import anyio
 
 from . import _debug, _wire
 from ._actor import handlers_of
-from ._bootstrap import Bootstrap, read_bootstrap
-from ._config import loop_options, settings, take_internal
+from ._bootstrap import Bootstrap, WorkerSpec, read_bootstrap, started_as
+from ._config import loop_options, settings
 from ._identity import adopt_key
 from ._proc_agent import AGENT_KEY, ProcAgent
 from ._runtime import _capture, _stackdump
@@ -386,10 +386,10 @@ def _worker_heartbeats(boot: Bootstrap, rt: Runtime, to: str) -> Iterator[None]:
     native = start_heartbeats(
         to,
         rt.address,
-        boot.heartbeat_period,
+        boot.spec.heartbeat_period,
         stop,
         threading.get_native_id(),
-        boot.heartbeat_timeout,
+        boot.spec.heartbeat_timeout,
         kept=True,
     )
     keeping = anyio.CancelScope()
@@ -410,28 +410,26 @@ async def _keep(native: NativeBeats, scope: anyio.CancelScope) -> None:
 
 
 async def _serve(boot: Bootstrap) -> None:
+    spec = boot.spec
     await serve(
-        lambda: open_transport(boot.scheme, host=boot.host, reach=boot.parent),
+        lambda: open_transport(spec.scheme, host=spec.host, reach=boot.parent),
         boot.parent,
         boot.token,
         lambda rt, to: _worker_heartbeats(boot, rt, to),
     )
 
 
-def _take_output(level: str) -> None:
-    """Send this worker's output to its supervisor, each line tagged, or drop it, as
-    the ProcMesh that started it asks (``AMESH_OUTPUT``, and ``AMESH_OUTPUT_LABEL`` and
-    ``AMESH_OUTPUT_RANK``, which are this process's and so not passed on to its
-    children); see :mod:`amesh._runtime._capture`. A worker started otherwise writes
-    to the stdout and stderr it inherited. ``level``: the root logger's."""
-    label = take_internal("AMESH_OUTPUT_LABEL")
-    rank = take_internal("AMESH_OUTPUT_RANK")
-    # a persistent mesh's worker keeps its lines in a file its host agent reads too
-    path = take_internal("AMESH_OUTPUT_FILE")
-    mode = settings().output
-    if label and rank.isdigit() and mode != "off":
+def _take_output(spec: WorkerSpec, level: str) -> None:
+    """Send this worker's output to its supervisor, each line tagged with the mesh's
+    name and the worker's slot, or drop it, as its spec asks; see
+    :mod:`amesh._runtime._capture`. A worker with no label writes to the stdout and
+    stderr it inherited. ``level``: the root logger's."""
+    label, mode = spec.output_label, spec.output
+    if label and mode != "off":
+        # a persistent mesh's worker keeps its lines in a file its host agent reads too
+        path = spec.output_file
         log_file = LogWriter(path, settings().log_file_bytes) if path else None
-        _capture.install(label, int(rank), level, system=(AGENT_KEY,), log_file=log_file)
+        _capture.install(label, spec.slot, level, system=(AGENT_KEY,), log_file=log_file)
         return
     if label and mode == "off":
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -452,6 +450,7 @@ def main(boot: Bootstrap | None = None) -> None:
             print(f"amesh worker: no bootstrap on stdin: {exc}", file=sys.stderr)
             os._exit(1)
     adopt_key(boot.key)
+    started_as(boot.spec)
     sys.breakpointhook = _debug.breakpointhook  # pdb at the controller
     # A terminal's Ctrl-C reaches the whole process group; the controller decides
     # what it means and stops the workers itself. (A zygote's child ignores it
@@ -461,10 +460,9 @@ def main(boot: Bootstrap | None = None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
-    _take_output(settings().log_level or "WARNING")
+    _take_output(boot.spec, settings().log_level or "WARNING")
     _stackdump.install()  # its stacks when its event loop cannot answer
-    # the event loop its ProcMesh asks for (not passed on to this worker's children)
-    backend = take_internal("AMESH_WORKER_BACKEND") or "asyncio"
+    backend = boot.spec.backend  # the event loop its ProcMesh asks for
     if backend not in ("asyncio", "trio"):
         print(f"amesh worker: no event loop {backend!r}; running asyncio", file=sys.stderr)
         backend = "asyncio"

@@ -42,15 +42,16 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from .. import _codec, _limits
 from .._actor import Actor, endpoint, handlers_of
+from .._bootstrap import WorkerSpec
 from .._config import settings
 from .._debug import current_listener, debug_env
 from .._identity import adopt_key, read_key_file
@@ -168,15 +169,9 @@ class HostAgent(Actor):
         return None
 
     @endpoint(concurrent=True)
-    async def start_proc(
-        self,
-        token: str,
-        env: Mapping[str, str],
-        heartbeat_period: float,
-        heartbeat_timeout: float,
-        persistent: str = "",
-    ) -> int:
-        """Start a worker that reports Ready with ``token`` to the caller; its pid.
+    async def start_proc(self, token: str, spec: WorkerSpec, persistent: str = "") -> int:
+        """Start a worker as ``spec`` asks (listening as this agent decides) that
+        reports Ready with ``token`` to the caller; its pid.
 
         With ``persistent`` (a mesh's name) the worker outlives the caller: it is not
         stopped when the caller's lease ends, but by :meth:`stop_mesh` (or ``kill``).
@@ -186,24 +181,15 @@ class HostAgent(Actor):
         owner = ctx.sender
         rt = current_runtime()
         child_env = dict(os.environ)
-        child_env.update(env)
+        child_env.update(spec.env)
         child_env.update(debug_env(lambda: state_dir() / "debug", relayed=True))
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         log_file = str(self._logs_dir() / f"{token}.log") if persistent else ""
-        if log_file:
-            child_env["AMESH_OUTPUT_FILE"] = log_file
         # the worker listens the way its controller does: TLS between hosts (and
         # streams within this one), or plain tcp streams
         scheme = "tls+tcp" if owner.startswith("tls+tcp://") else "stream+tcp"
-        process, pid = await launch_worker(
-            rt,
-            token,
-            scheme,
-            self.host,
-            child_env,
-            (heartbeat_period, heartbeat_timeout),
-            parent=owner,
-        )
+        spec = msgspec.structs.replace(spec, scheme=scheme, host=self.host, output_file=log_file)
+        process, pid = await launch_worker(rt, token, spec, child_env, parent=owner)
         child = self.children[pid] = _Child(process, owner, persistent, log_file)
         rt.start_soon(self._reap, pid, child)
         self._watch(rt, owner)

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 
 from .. import _wire
+from .._bootstrap import WorkerSpec
 from .._mesh._host import ProcHandle
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
@@ -138,20 +139,12 @@ class InProcessHost:
             return MemoryTransport()
         return open_transport(scheme, host=host)
 
-    async def start_proc(
-        self,
-        rt: Runtime,
-        scheme: str,
-        host: str,
-        env: Mapping[str, str] | None = None,
-        *,
-        heartbeat_period: float = 0.5,
-        heartbeat_timeout: float = 5.0,
-        slot: int = 0,
-    ) -> ProcHandle:
-        worker = InProcessWorker(self._transport(scheme, host))
+    async def start_proc(self, rt: Runtime, spec: WorkerSpec) -> ProcHandle:
+        """Start one rank as a runtime in this process (``spec``'s environment, event
+        loop and output do not apply: it shares this process's)."""
+        worker = InProcessWorker(self._transport(spec.scheme, spec.host))
         ready = ReadyWaiter(rt)
-        rt.task_group.start_soon(worker.run, rt.address, ready.token, heartbeat_period)
+        rt.task_group.start_soon(worker.run, rt.address, ready.token, spec.heartbeat_period)
         with anyio.fail_after(30):
             msg = await ready.wait()
         self.workers[worker.pid] = worker

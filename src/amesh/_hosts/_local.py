@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import sniffio
 
-from .._bootstrap import Bootstrap
+from .._bootstrap import Bootstrap, WorkerSpec
 from .._debug import debug_env
 from .._identity import job_key
 from .._limits import TASKS_PER_PROCESS
@@ -53,17 +53,7 @@ class LocalHost:
         """A :class:`~amesh.ProcMesh` of processes on this host; enter it to start them."""
         return ProcMesh(per_host, host=self, **kwargs)
 
-    async def start_proc(
-        self,
-        rt: Runtime,
-        scheme: str,
-        host: str,
-        env: Mapping[str, str] | None = None,
-        *,
-        heartbeat_period: float = 0.5,
-        heartbeat_timeout: float = 5.0,
-        slot: int = 0,
-    ) -> ProcHandle:
+    async def start_proc(self, rt: Runtime, spec: WorkerSpec) -> ProcHandle:
         """Start one worker and wait until it listens.
 
         Raises:
@@ -71,12 +61,11 @@ class LocalHost:
         """
         ready = ReadyWaiter(rt)
         child_env = dict(os.environ)
-        child_env.update(env or {})
+        child_env.update(spec.env)
         child_env.update(debug_env(lambda: state_dir() / "debug"))
         child_env.setdefault("PYTHONUNBUFFERED", "1")
-        beats = (heartbeat_period, heartbeat_timeout)
         try:
-            process, pid = await launch_worker(rt, ready.token, scheme, host, child_env, beats)
+            process, pid = await launch_worker(rt, ready.token, spec, child_env)
         except BaseException:
             ready.cancel()
             raise
@@ -85,31 +74,22 @@ class LocalHost:
 
 
 async def launch_worker(
-    rt: Runtime,
-    token: str,
-    scheme: str,
-    host: str,
-    child_env: dict[str, str],
-    beats: tuple[float, float],
-    parent: str = "",
+    rt: Runtime, token: str, spec: WorkerSpec, child_env: dict[str, str], parent: str = ""
 ) -> tuple[ProcessLike, int]:
-    """Start a worker on this machine (from ``rt``'s zygote, else exec'd) that reports
-    Ready with ``token`` to ``parent`` (``rt`` unless given: a host agent starts
-    workers for a controller elsewhere) and heartbeats to it every ``beats[0]`` seconds
-    (its supervisor's timeout: ``beats[1]``); ``(process, pid)``."""
+    """Start a worker on this machine as ``spec`` asks (from ``rt``'s zygote, else
+    exec'd), with environment ``child_env``, that reports Ready with ``token`` to
+    ``parent`` (``rt`` unless given: a host agent starts workers for a controller
+    elsewhere); ``(process, pid)``."""
 
     def boot(parent_pid: int, pdeathsig: bool) -> Bootstrap:
         return Bootstrap(
-            parent or rt.address,
-            parent_pid,
-            token,
-            scheme,
-            host,
-            list(sys.path),
-            beats[0],
-            pdeathsig,
+            spec=spec,
+            parent=parent or rt.address,
+            parent_pid=parent_pid,
+            token=token,
+            sys_path=list(sys.path),
+            pdeathsig=pdeathsig,
             key=job_key(),
-            heartbeat_timeout=beats[1],
         )
 
     zygote = await _zygote_for(rt, child_env)

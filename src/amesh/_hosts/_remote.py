@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 
 from .._actor_mesh import ActorMesh
+from .._bootstrap import WorkerSpec
 from .._debug import RemoteDebugger, set_remote_debuggers
 from .._errors import ActorError, SupervisionError
 from .._identity import adopt_key_file, hold_key, read_key_file
@@ -348,25 +349,15 @@ class _Placement:
             if why is not None:
                 raise OSError(errno.EAGAIN, f"on host {info['host']}: {why}")
 
-    async def start_proc(
-        self,
-        rt: Runtime,
-        scheme: str,
-        host: str,
-        env: Mapping[str, str] | None = None,
-        *,
-        heartbeat_period: float = 0.5,
-        heartbeat_timeout: float = 5.0,
-        slot: int = 0,
-    ) -> ProcHandle:
-        index = slot // self.per_host
+    async def start_proc(self, rt: Runtime, spec: WorkerSpec) -> ProcHandle:
+        """Start the worker of ``spec.slot`` on its agent (which decides how it
+        listens), and wait until it reports."""
+        index = spec.slot // self.per_host
         agent = self._hosts._agents.slice(hosts=index)
         where = self._hosts._infos[index]["host"]
         ready = ReadyWaiter(rt)
         try:
-            pid = await agent.start_proc.call_one(
-                ready.token, dict(env or {}), heartbeat_period, heartbeat_timeout, self.mesh_name
-            )
+            pid = await agent.start_proc.call_one(ready.token, spec, self.mesh_name)
         except BaseException:
             ready.cancel()
             raise

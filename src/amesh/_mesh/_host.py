@@ -11,7 +11,7 @@ first).
 from __future__ import annotations
 
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -19,6 +19,7 @@ import anyio
 from .._runtime._stackdump import stacks_by_signal
 
 if TYPE_CHECKING:
+    from .._bootstrap import WorkerSpec
     from .._runtime._runtime import Runtime
 
 __all__ = [
@@ -133,21 +134,10 @@ class Host(Protocol):
     (``async make_room(slots)``, raising OSError where they do not fit).
     """
 
-    async def start_proc(
-        self,
-        rt: Runtime,
-        scheme: str,
-        host: str,
-        env: Mapping[str, str] | None = None,
-        *,
-        heartbeat_period: float = 0.5,
-        heartbeat_timeout: float = 5.0,
-        slot: int = 0,
-    ) -> ProcHandle:
-        """Start one worker that reports Ready to ``rt`` and heartbeats to it every
-        ``heartbeat_period`` seconds (``rt`` declares it dead after
-        ``heartbeat_timeout`` seconds of silence), for process slot ``slot`` of its
-        mesh (a host of many machines places it by slot)."""
+    async def start_proc(self, rt: Runtime, spec: WorkerSpec) -> ProcHandle:
+        """Start one worker as ``spec`` asks, that reports Ready to ``rt`` and
+        heartbeats to it every ``spec.heartbeat_period`` seconds (``rt`` declares it
+        dead after ``spec.heartbeat_timeout`` seconds of silence)."""
         ...
 
 

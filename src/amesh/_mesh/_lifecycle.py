@@ -12,6 +12,7 @@ from anyio.abc import TaskGroup
 
 from .. import _codec, _limits
 from .._actor_mesh import ActorMesh
+from .._bootstrap import WorkerSpec
 from .._config import default_transport, exported
 from .._errors import ActorError, Failure, SupervisionError
 from .._proc_agent import AGENT_KEY, ProcAgent
@@ -169,15 +170,7 @@ class Lifecycle:
         procs: list[ProcHandle | None] = [None] * n
 
         async def start(i: int) -> None:
-            procs[i] = await self.host.start_proc(
-                rt,
-                scheme,
-                host,
-                self._env_of(slots[i]),
-                heartbeat_period=self.heartbeat_period,
-                heartbeat_timeout=self.heartbeat_timeout,
-                slot=slots[i],
-            )
+            procs[i] = await self.host.start_proc(rt, self.spec(slots[i], scheme, host))
 
         try:
             async with anyio.create_task_group() as starters:
@@ -197,18 +190,21 @@ class Lifecycle:
             printer.attach(p.addr, slot)
         return started
 
-    def _env_of(self, slot: int) -> dict[str, str]:
-        """The environment of the process of ``slot``: the settings given to
-        :func:`amesh.configure` (under the mesh's ``env``), what its output becomes, and
-        whose it is outside actors (see :func:`amesh._worker._take_output`)."""
-        return {
-            **exported(),
-            **self.env,
-            "AMESH_OUTPUT": self.output,
-            "AMESH_OUTPUT_LABEL": self.name,
-            "AMESH_OUTPUT_RANK": str(slot),
-            "AMESH_WORKER_BACKEND": self.backend,
-        }
+    def spec(self, slot: int, scheme: str, host: str) -> WorkerSpec:
+        """What this mesh asks of the process of ``slot``, listening as ``scheme`` on
+        ``host``: its environment (the settings given to :func:`amesh.configure`, under
+        the mesh's ``env``), heartbeats, event loop, and what its output becomes."""
+        return WorkerSpec(
+            slot=slot,
+            scheme=scheme,
+            host=host,
+            env={**exported(), **self.env},
+            heartbeat_period=self.heartbeat_period,
+            heartbeat_timeout=self.heartbeat_timeout,
+            backend=self.backend,
+            output=self.output,
+            output_label=self.name,
+        )
 
     def printer(self, rt: Runtime) -> OutputPrinter:
         """What prints the output of this mesh's processes (made on first use)."""

@@ -1,0 +1,66 @@
+"""Every host starts a worker from one WorkerSpec: what its mesh asks of it, per mesh."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from amesh import ProcMesh
+from amesh._bootstrap import Bootstrap, WorkerSpec, this_worker
+from amesh.testing import InProcessHost
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.timeout(60)
+async def test_two_meshes_of_one_controller_start_their_workers_with_their_own_settings() -> None:
+    """Heartbeats, event loop, output and environment are each mesh's own, and each
+    worker knows its slot: two meshes in one controller, started side by side."""
+    with anyio.fail_after(50):
+        async with (
+            ProcMesh(
+                {"procs": 2},
+                heartbeat_period=0.2,
+                heartbeat_timeout=3.0,
+                output="raw",
+                backend="asyncio",
+                env={"AMESH_TEST_MESH": "a"},
+                name="first",
+            ) as a,
+            ProcMesh(
+                {"procs": 3},
+                heartbeat_period=1.0,
+                heartbeat_timeout=9.0,
+                backend="trio",
+                env={"AMESH_TEST_MESH": "b"},
+                name="second",
+            ) as b,
+        ):
+            specs_a = (await a._agents(a._live()).spec.call()).values()
+            specs_b = (await b._agents(b._live()).spec.call()).values()
+    assert [s.slot for s in specs_a] == [0, 1] and [s.slot for s in specs_b] == [0, 1, 2]
+    for s in specs_a:
+        assert (s.heartbeat_period, s.heartbeat_timeout) == (0.2, 3.0)
+        assert (s.backend, s.output, s.env["AMESH_TEST_MESH"]) == ("asyncio", "raw", "a")
+        assert s.output_label == "first"
+    for s in specs_b:
+        assert (s.heartbeat_period, s.heartbeat_timeout) == (1.0, 9.0)
+        assert (s.backend, s.output, s.env["AMESH_TEST_MESH"]) == ("trio", "folded", "b")
+        assert s.output_label == "second"
+
+
+@pytest.mark.timeout(30)
+async def test_a_rank_in_the_controllers_process_has_no_spec_of_its_own() -> None:
+    """In-process ranks share the controller's process, which no spec started."""
+    with anyio.fail_after(20):
+        async with ProcMesh({"procs": 1}, host=InProcessHost()) as procs:
+            (spec,) = (await procs._agents(procs._live()).spec.call()).values()
+    assert spec is None and this_worker() is None
+
+
+def test_a_bootstrap_carries_its_spec_whole() -> None:
+    spec = WorkerSpec(slot=7, scheme="tls+tcp", host="127.0.0.1", env={"X": "1"}, backend="trio")
+    boot = Bootstrap(
+        spec=spec, parent="p", parent_pid=1, token="t", sys_path=["/x"], pdeathsig=True, key=b"k"
+    )
+    assert Bootstrap.from_bytes(boot.to_bytes()) == boot
