@@ -112,6 +112,14 @@ class ActorMesh(MeshView, Generic[A]):
             ws = self.__dict__["_ws"] = (list(self._shape.labels), list(self._shape.sizes))
         return ws
 
+    def _dense_shape(self) -> Shape:
+        """This view's labels and sizes as a shape of its own, ranks from 0: what the
+        ValueMesh of a call's results and its errors' coordinates use (made once)."""
+        ds = self.__dict__.get("_ds")
+        if ds is None:
+            ds = self.__dict__["_ds"] = Shape(self._shape.labels, self._shape.sizes)
+        return ds
+
     def _tree(self) -> Tree | None:
         """The relay tree, when this mesh is big enough to use one, or spans hosts
         (made once: it holds the list of addresses that a restart changes in place)."""

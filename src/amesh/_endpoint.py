@@ -16,7 +16,7 @@ from ._runtime._calls import rank_label
 from ._runtime._context import is_local
 from ._runtime._runtime import Payloads, Pending, current_runtime
 from ._runtime._session import Stream, bridged
-from ._shape import Point, Shape
+from ._shape import Point
 from ._value_mesh import ValueMesh
 
 if TYPE_CHECKING:
@@ -306,7 +306,7 @@ class MeshEndpoint(Generic[P, R]):
     def _raise(self, rank: int, value: Any) -> None:
         """Raise the error that called rank ``rank`` answered with (``value``)."""
         if isinstance(value, _wire.Error):
-            shape = Shape(self._mesh._shape.labels, self._mesh._shape.sizes)
+            shape = self._mesh._dense_shape()
             point = {**shape.coords(rank), "rank": rank}
             if value.type_name == "amesh.SupervisionError":
                 # the actor failed, or an endpoint's own supervision scope did
@@ -359,7 +359,7 @@ class MeshEndpoint(Generic[P, R]):
         mesh = self._mesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        shape = Shape(mesh.shape.labels, mesh.shape.sizes)
+        shape = mesh._dense_shape()
         results: list[Any] = [None] * len(shape)
         op = _Call(self, targets)
         try:
@@ -443,7 +443,7 @@ class MeshEndpoint(Generic[P, R]):
         mesh = self._mesh
         targets = mesh._targets()
         payload = self._encode(args, kwargs, targets)
-        shape = Shape(mesh.shape.labels, mesh.shape.sizes)
+        shape = mesh._dense_shape()
         op = _Call(self, targets)
         try:
             sending = op.send_soon(payload)

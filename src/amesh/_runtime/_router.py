@@ -140,7 +140,7 @@ class Router:
             return self._send_each(pending, method, labels, sizes, payload, chain, tree)
         data, lengths, parts = _wire.pack(payload.data, payload.buffers)
         call_id = pending.call_id
-        me = self.address
+        me = self._links.address
         if tree is not None:
             req = _wire.Relay(
                 me, call_id, -1, pending.actor, method, labels, sizes, data, chain,

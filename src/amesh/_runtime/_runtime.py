@@ -110,7 +110,7 @@ def current_runtime() -> Runtime:
         RuntimeError: no runtime is active (outside ``amesh.run`` / ``ProcMesh``).
     """
     rt = runtime_var.get()
-    if rt is None or rt.closed:
+    if rt is None or rt.links.closed:  # (closed, without the property's call)
         raise RuntimeError(
             "no amesh runtime is active here: use this inside `async with ProcMesh(...)`, "
             "`amesh.run(main)`, or through what amesh's awaitables do outside them (the "
