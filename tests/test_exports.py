@@ -128,3 +128,37 @@ def test_default_transport_does_not_pull_in_pynng() -> None:
         [sys.executable, "-c", _NO_PYNNG], capture_output=True, text=True, timeout=60, env=env
     )
     assert out.returncode == 0, out.stderr
+
+
+# Importing (again) every module of the hosts layer registers nothing: only the package's
+# __init__ plugs the hosts in, by one call.
+_NO_SIDE_EFFECTS = textwrap.dedent(
+    """
+    import importlib
+    import pkgutil
+
+    import amesh
+    from amesh import _debug, _hosts
+    from amesh._mesh import _host
+
+    _host._default_host = None
+    _host._persistent_host = None
+    _debug._remote_debuggers = list
+    for info in pkgutil.iter_modules(_hosts.__path__, "amesh._hosts."):
+        importlib.reload(importlib.import_module(info.name))
+    importlib.reload(_hosts)
+    assert _host._default_host is None, _host._default_host
+    assert _host._persistent_host is None, _host._persistent_host
+    assert _debug._remote_debuggers is list, _debug._remote_debuggers
+    _hosts.plug_in()
+    assert _host.default_host() is _hosts.this_host()
+    assert _host._persistent_host is _hosts.local_holder
+    """
+)
+
+
+def test_importing_the_hosts_registers_nothing() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_SIDE_EFFECTS], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr

@@ -11,6 +11,7 @@ in pyproject.toml).
 
 from __future__ import annotations
 
+from . import _hosts
 from ._actor import Actor as Actor
 from ._actor import cancelled as cancelled
 from ._actor import current_actor as current_actor
@@ -42,6 +43,10 @@ from ._shape import Point as Point
 from ._shape import Shape as Shape
 from ._supervision import RestartPolicy as RestartPolicy
 from ._value_mesh import ValueMesh as ValueMesh
+
+# The one place where the layers are wired: the hosts tell the layers below them (which
+# cannot import them) where processes come from. Every amesh.* import runs this first.
+_hosts.plug_in()
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ from .._bootstrap import Bootstrap, WorkerSpec
 from .._debug import debug_env
 from .._identity import job_key
 from .._limits import TASKS_PER_PROCESS
-from .._mesh._host import ProcessLike, ProcHandle, set_default_host
+from .._mesh._host import ProcessLike, ProcHandle
 from .._proc_mesh import ProcMesh
 from .._runtime._runtime import Runtime
 from ._home import state_dir
@@ -187,8 +187,6 @@ async def start_zygote(rt: Runtime) -> None:
 
 
 _THIS_HOST = LocalHost()
-# ProcMesh sits below this layer and cannot import it: tell it which host is the default.
-set_default_host(_THIS_HOST)
 
 
 def this_host() -> LocalHost:

@@ -30,10 +30,10 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._bootstrap import WorkerSpec
-from .._debug import RemoteDebugger, set_remote_debuggers
+from .._debug import RemoteDebugger
 from .._errors import ActorError, SupervisionError
 from .._identity import adopt_key_file, hold_key, read_key_file
-from .._mesh._host import Holder, ProcHandle, set_persistent_host
+from .._mesh._host import Holder, ProcHandle
 from .._proc_agent import CONTROLLER_KEY, ControllerAgent
 from .._proc_mesh import ProcMesh
 from .._runtime._peers import LINK_LOST
@@ -238,16 +238,13 @@ class _AgentDebugger:
         await self._agent.debug_close.call_one(handle)
 
 
-def _debuggers() -> list[RemoteDebugger]:
+def remote_debuggers() -> list[RemoteDebugger]:
     """The host agents this controller holds leases on, as ``amesh.debug()`` sees them."""
     try:
         leases = _LEASES.get(current_runtime())
     except RuntimeError:  # no runtime: no agents
         return []
     return [_AgentDebugger(a) for a in sorted(leases.agents)] if leases is not None else []
-
-
-set_remote_debuggers(_debuggers)
 
 
 class HostMesh(MeshView):
@@ -519,13 +516,10 @@ async def local_hosts(start: bool) -> HostMesh | None:
     return await attach([addr], _local=True)
 
 
-async def _local_holder(name: str, count: int) -> Holder:
+async def local_holder(name: str, count: int) -> Holder:
     hosts = await local_hosts(start=True)
     assert hosts is not None
     return _Placement(hosts, count, name)
-
-
-set_persistent_host(_local_holder)
 
 
 async def _hosts_of(

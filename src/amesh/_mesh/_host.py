@@ -3,9 +3,9 @@
 Hosts (:mod:`amesh._hosts`) implement it and sit above ProcMesh, since
 ``host.spawn_procs()`` makes a ProcMesh; the interface, the handle a host gives back
 for a process, and the default host live here, below ProcMesh, so that the mesh never
-imports the hosts layer. That layer registers this machine as the default host when it
-is imported (``import amesh`` imports it, and every ``amesh.*`` import runs that
-first).
+imports the hosts layer. The package :mod:`amesh` plugs this machine in as the default
+host (:func:`amesh._hosts.plug_in`, in its ``__init__``, which every ``amesh.*``
+import runs first).
 """
 
 from __future__ import annotations
