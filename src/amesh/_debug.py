@@ -60,9 +60,7 @@ from anyio.lowlevel import EventLoopToken, current_token
 
 from ._config import settings, take_internal
 from ._identity import job_key
-from ._runtime._context import call_context
-from ._runtime._pausable import debugged_here, paused_outside, wait_off_loop
-from ._runtime._session import bridged
+from ._runtime import bridged, call_context, debugged_here, paused_outside, wait_off_loop
 from ._tracebacks import RUNNERS
 from ._transport import HANDSHAKE_TIMEOUT, Gate, Refusals, Refused, check_peer, mac
 from ._transport._stream_wire import StreamBeat, fresh_address, parse_address

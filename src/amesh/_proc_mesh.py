@@ -48,18 +48,21 @@ from ._mesh._host import Holder, Host, ProcHandle, default_host, persistent_host
 from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned, failure_of
 from ._mesh._supervisor import MeshSupervisor
 from ._proc_agent import AGENT_KEY, ProcAgent, serve_controller
-from ._runtime._context import call_context, runtime_var
-from ._runtime._mailbox import ActorInstance
-from ._runtime._output import output_mode
-from ._runtime._runtime import (
+from ._runtime import (
+    LOOP_TIMEOUT,
+    ActorInstance,
+    Op,
     Runtime,
+    bridged,
+    bridged_always,
+    call_context,
     current_runtime,
     is_supervision,
     open_runtime,
+    output_mode,
     pass_cancellation,
+    runtime_var,
 )
-from ._runtime._session import Op, bridged, bridged_always
-from ._runtime._stackdump import LOOP_TIMEOUT
 from ._shape import Shape
 from ._supervision import RestartPolicy, Supervisor, restart_policy
 from ._tracebacks import hide_amesh_frames

@@ -57,11 +57,16 @@ from ._bootstrap import Bootstrap, read_bootstrap
 from ._config import loop_options, settings, take_internal
 from ._identity import adopt_key
 from ._proc_agent import AGENT_KEY, ProcAgent
-from ._runtime import _capture, _stackdump
-from ._runtime._context import call_context
-from ._runtime._logfile import LogWriter
-from ._runtime._mailbox import ActorInstance
-from ._runtime._runtime import Runtime, open_runtime
+from ._runtime import (
+    ActorInstance,
+    LogWriter,
+    Runtime,
+    active_capture,
+    call_context,
+    install_capture,
+    install_stack_dump,
+    open_runtime,
+)
 from ._transport import Transport, heartbeat_sender, local_route, open_transport
 from ._transport._stream_wire import HEADER, StreamBeat, is_stream_address
 
@@ -325,7 +330,7 @@ async def serve(
             rt.add_actor(
                 ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), parent, 0)
             )
-            capture = _capture.active()
+            capture = active_capture()
             try:
                 await rt.send_frame(parent, _wire.Ready(token, rt.address, rt.pid))
                 if capture is not None:  # (its first frame must follow the Ready)
@@ -431,7 +436,7 @@ def _take_output(level: str) -> None:
     mode = settings().output
     if label and rank.isdigit() and mode != "off":
         log_file = LogWriter(path, settings().log_file_bytes) if path else None
-        _capture.install(label, int(rank), level, system=(AGENT_KEY,), log_file=log_file)
+        install_capture(label, int(rank), level, system=(AGENT_KEY,), log_file=log_file)
         return
     if label and mode == "off":
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -462,7 +467,7 @@ def main(boot: Bootstrap | None = None) -> None:
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
     _take_output(settings().log_level or "WARNING")
-    _stackdump.install()  # its stacks when its event loop cannot answer
+    install_stack_dump()  # its stacks when its event loop cannot answer
     # the event loop its ProcMesh asks for (not passed on to this worker's children)
     backend = take_internal("AMESH_WORKER_BACKEND") or "asyncio"
     if backend not in ("asyncio", "trio"):

@@ -16,7 +16,7 @@ from .._config import default_transport, settings
 from .._errors import SupervisionError
 from .._identity import adopt_key_file
 from .._mesh._registry import read_all
-from .._runtime._runtime import open_runtime
+from .._runtime import open_runtime
 from .._transport import open_transport
 from .._transport._stream import StreamTransport
 from ._agent import address_towards

@@ -17,9 +17,7 @@ from .._errors import SupervisionError
 from .._identity import adopt_key
 from .._mesh._registry import read_all
 from .._proc_agent import AGENT_KEY, CONTROLLER_KEY, ControllerAgent, ProcAgent
-from .._runtime._logfile import rank_of
-from .._runtime._runtime import open_runtime
-from .._runtime._stackdump import DUMP_TIMEOUT, LOOP_TIMEOUT
+from .._runtime import DUMP_TIMEOUT, LOOP_TIMEOUT, open_runtime, rank_of
 from .._shape import Shape
 from .._transport import open_transport
 

@@ -28,7 +28,7 @@ from .._identity import job_key
 from .._limits import TASKS_PER_PROCESS
 from .._mesh._host import ProcessLike, ProcHandle, set_default_host
 from .._proc_mesh import ProcMesh
-from .._runtime._runtime import Runtime
+from .._runtime import Runtime
 from ._home import state_dir
 from ._ready import ReadyWaiter
 

@@ -35,9 +35,7 @@ from .._identity import adopt_key_file, hold_key, read_key_file
 from .._mesh._host import Holder, ProcHandle, set_persistent_host
 from .._proc_agent import CONTROLLER_KEY, ControllerAgent
 from .._proc_mesh import ProcMesh
-from .._runtime._peers import LINK_LOST
-from .._runtime._runtime import Runtime, current_runtime
-from .._runtime._session import bridged
+from .._runtime import LINK_LOST, Runtime, bridged, current_runtime
 from .._shape import Shape
 from .._supervision import Supervisor
 from .._transport import open_transport

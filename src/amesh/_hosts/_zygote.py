@@ -1066,8 +1066,7 @@ def _rehearse() -> None:
     from .._actor import Actor, endpoint
     from .._identity import KEY_SIZE, borrowed_key
     from .._mesh._registry import unlisted
-    from .._runtime import _capture
-    from .._runtime._runtime import open_runtime
+    from .._runtime import Capture, open_runtime
     from .._transport import open_transport
     from ._inprocess import InProcessHost
 
@@ -1075,7 +1074,7 @@ def _rehearse() -> None:
         # What a worker's start does before its loop runs, less what it changes for
         # good (descriptors, threads, the streams): each call leaves nothing behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (as it is here already)
-        _capture.Capture("rehearsal", 0, ())
+        Capture("rehearsal", 0, ())
         codecs.getincrementaldecoder("utf-8")("replace")
         threading.Thread(target=start, name="rehearsal", daemon=True)
 
