@@ -3,7 +3,7 @@ process (the in-process host: runtimes on this event loop)."""
 
 from __future__ import annotations
 
-from .._mesh._host import Host, ProcHandle
+from .._mesh import Host, ProcHandle
 from ._inprocess import InProcessHost
 from ._local import LocalHost, this_host
 from ._remote import HostMesh, attach, attach_mesh

@@ -55,8 +55,7 @@ from .._config import settings
 from .._debug import current_listener, debug_env
 from .._identity import adopt_key, read_key_file
 from .._limits import TASKS_PER_PROCESS, raise_open_files, raise_processes
-from .._mesh._host import ProcessLike
-from .._mesh._supervisor import pid_alive
+from .._mesh import ProcessLike, pid_alive
 from .._runtime import (
     ActorInstance,
     Runtime,

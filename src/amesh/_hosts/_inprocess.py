@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from .. import _wire
-from .._mesh._host import ProcHandle
+from .._mesh import ProcHandle
 from .._proc_mesh import ProcMesh
 from .._runtime import Runtime
 from .._transport import MemoryTransport, Transport, open_transport

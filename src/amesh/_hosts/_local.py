@@ -26,7 +26,7 @@ from .._bootstrap import Bootstrap
 from .._debug import debug_env
 from .._identity import job_key
 from .._limits import TASKS_PER_PROCESS
-from .._mesh._host import ProcessLike, ProcHandle, set_default_host
+from .._mesh import ProcessLike, ProcHandle, set_default_host
 from .._proc_mesh import ProcMesh
 from .._runtime import Runtime
 from ._home import state_dir

@@ -32,7 +32,7 @@ from .._actor_mesh import ActorMesh
 from .._debug import RemoteDebugger, set_remote_debuggers
 from .._errors import ActorError, SupervisionError
 from .._identity import adopt_key_file, hold_key, read_key_file
-from .._mesh._host import Holder, ProcHandle, set_persistent_host
+from .._mesh import Holder, ProcHandle, set_persistent_host
 from .._proc_agent import CONTROLLER_KEY, ControllerAgent
 from .._proc_mesh import ProcMesh
 from .._runtime import LINK_LOST, Runtime, bridged, current_runtime

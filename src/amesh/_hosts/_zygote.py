@@ -1065,7 +1065,7 @@ def _rehearse() -> None:
         return
     from .._actor import Actor, endpoint
     from .._identity import KEY_SIZE, borrowed_key
-    from .._mesh._registry import unlisted
+    from .._mesh import unlisted
     from .._runtime import Capture, open_runtime
     from .._transport import open_transport
     from ._inprocess import InProcessHost
