@@ -67,12 +67,19 @@ from ._runtime import (
     install_stack_dump,
     open_runtime,
 )
-from ._transport import Transport, heartbeat_sender, local_route, open_transport
-from ._transport._stream_wire import HEADER, StreamBeat, is_stream_address
+from ._transport import (
+    STREAM_HEADER,
+    StreamBeat,
+    Transport,
+    heartbeat_sender,
+    is_stream_address,
+    local_route,
+    open_transport,
+)
 
 if TYPE_CHECKING:
     from ._ext import Beat
-    from ._transport._nng import NngBeat
+    from ._transport import NngBeat
 
 _PR_SET_PDEATHSIG = 1
 
@@ -140,14 +147,14 @@ class NativeBeats:
         stream = is_stream_address(parent)
         self._nng: NngBeat | None = None
         if not stream:
-            from ._transport import _ext as _binds_nng  # noqa: F401  (the NNG functions)
-            from ._transport._nng import NngBeat
+            from ._transport import NngBeat, load_nng
 
+            load_nng()  # the extension's Beat sends through NNG's functions
             self._nng = NngBeat(parent, own)
         self._make = _ext.Beat
         self._parent, self._own, self._period, self._tid = parent, own, period, watch_tid
         self._hung_after = hung_after
-        self._frame = HEADER.pack(len(frame)) + frame if stream else frame
+        self._frame = STREAM_HEADER.pack(len(frame)) + frame if stream else frame
         self._lock = threading.Lock()
         self._beat: Beat | None = None
         #: the stream socket ``_beat`` writes to (-1: none, or NNG); and the one that

@@ -17,8 +17,7 @@ from .._errors import SupervisionError
 from .._identity import adopt_key_file
 from .._mesh import registry_read_all
 from .._runtime import open_runtime
-from .._transport import open_transport
-from .._transport._stream import StreamTransport
+from .._transport import StreamTransport, open_transport
 from ._agent import address_towards
 from ._home import local_key
 from ._inspect import held_logs, held_stacks

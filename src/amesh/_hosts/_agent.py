@@ -65,8 +65,7 @@ from .._runtime import (
     read_logs,
     stacks_by_signal,
 )
-from .._transport import HostStreams, HybridTransport, Transport, default_impl, open_tls
-from .._transport._guard import Limits
+from .._transport import HostStreams, HybridTransport, Limits, Transport, default_impl, open_tls
 from ._home import hold_agent_lock, state_dir
 from ._local import launch_worker, start_zygote
 

@@ -38,8 +38,7 @@ from .._proc_mesh import ProcMesh
 from .._runtime import LINK_LOST, Runtime, bridged, current_runtime
 from .._shape import Shape
 from .._supervision import Supervisor
-from .._transport import open_transport
-from .._transport._tags import dial_part
+from .._transport import dial_part, open_transport
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards
