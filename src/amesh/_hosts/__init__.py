@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._mesh import Host, ProcHandle
 from ._agent import DEFAULT_GRACE, parse_listen
 from ._agent import main as agent_main
 from ._home import state_dir
@@ -27,11 +26,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_GRACE",
-    "Host",
     "HostMesh",
     "InProcessHost",
     "LocalHost",
-    "ProcHandle",
     "SlurmJob",
     "admin_main",
     "agent_main",
