@@ -3,10 +3,11 @@ liveness, dispatch into mailboxes; :mod:`._runtime` wires the parts together.
 
 This is the package's front door: other packages import only what is exported here.
 The main entry points are :func:`open_runtime` (a process's :class:`Runtime`, which
-:func:`current_runtime` finds again), :func:`call_context` (the call a handler runs
-in), :class:`ActorInstance` (an actor's mailbox), the notebook session's
-:func:`bridged` (synchronous code driving the runtime's loop), and a worker's output
-capture (:func:`install_capture`) and stack dumps (:func:`install_stack_dump`).
+:func:`current_runtime` finds again), :data:`call_context` (the call a handler runs
+in), :class:`ActorInstance` (an actor's mailbox), the session's :func:`bridged` (an
+``async def`` made to return an :class:`Op`: awaited, or ``.get()`` from synchronous
+code such as a notebook cell), and a worker's output capture (:func:`install_capture`)
+and stack dumps (:func:`install_stack_dump`).
 """
 
 from __future__ import annotations
