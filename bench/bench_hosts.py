@@ -41,7 +41,7 @@ import anyio
 
 import amesh
 from amesh._identity import job_key
-from amesh._runtime._runtime import open_runtime
+from amesh._runtime import open_runtime
 from amesh._transport import open_transport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -12,8 +12,7 @@ import anyio
 
 import amesh
 from amesh import Actor, ActorMesh, ValueMesh, current_actor, current_rank, current_size, endpoint
-from amesh._runtime._context import call_context
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import call_context, current_runtime
 
 
 class Counter(Actor):

@@ -9,7 +9,7 @@ import pytest
 
 import amesh
 from amesh import ActorError, ProcMesh
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 
 from .actors import Counter, Gate
 

@@ -26,9 +26,8 @@ from amesh import SupervisionError, _codec
 from amesh._hosts._remote import LEASE_PERIOD, lease_period
 from amesh._identity import job_key, read_key_file
 from amesh._limits import TASKS_PER_PROCESS
-from amesh._runtime._runtime import open_runtime
-from amesh._transport import open_transport
-from amesh._transport._hybrid import HybridTransport
+from amesh._runtime import open_runtime
+from amesh._transport import HybridTransport, open_transport
 from amesh._transport._tags import dial_part, tag_of
 from amesh.testing._leaks import child_pids
 

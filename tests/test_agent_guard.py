@@ -19,9 +19,8 @@ import anyio
 import pytest
 
 import amesh
-from amesh._runtime._runtime import open_runtime
-from amesh._transport import open_transport
-from amesh._transport._hybrid import open_tls
+from amesh._runtime import open_runtime
+from amesh._transport import open_tls, open_transport
 
 from .actors import Counter
 from .test_agent import free_port, shared_key

@@ -19,7 +19,7 @@ import pytest
 import amesh
 from amesh import SupervisionError
 from amesh._hosts._reach import parse_agent_address
-from amesh._runtime._runtime import open_runtime
+from amesh._runtime import open_runtime
 from amesh._transport import StreamTransport, open_transport
 
 from .test_agent import agents, free_port, shared_key, tcp_runtime

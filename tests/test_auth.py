@@ -23,7 +23,7 @@ import anyio
 import pytest
 
 from amesh import ProcMesh, _codec, _identity, _wire
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
 from amesh._transport import _stream_wire as wire
 from amesh.testing._leaks import child_pids

@@ -8,8 +8,7 @@ import anyio
 import pytest
 
 from amesh import Actor, ActorMesh, ProcMesh, endpoint
-from amesh._runtime import _peers
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import _peers, current_runtime
 from amesh.testing import InProcessHost, MemoryTransport, open_runtime
 
 from .actors import Caller, Counter, Sink

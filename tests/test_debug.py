@@ -468,7 +468,7 @@ def test_may_pause_reads_the_code_of_an_endpoint() -> None:
     import functools
     import pdb
 
-    from amesh._runtime._pausable import may_pause
+    from amesh._runtime import may_pause
 
     def plain(x: int) -> int:
         return x + 1

@@ -21,7 +21,7 @@ import pytest
 
 import amesh
 from amesh import ActorError, ProcMesh, _codec
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 from amesh._tracebacks import format_traceback
 
 from .actors import Counter

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from amesh import ActorMesh, ProcMesh
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 
 from .actors import Gate, Sink
 

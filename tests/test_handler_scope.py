@@ -107,7 +107,7 @@ async def test_through_an_actor_sync_answers_and_async_cancels() -> None:
 
 
 def test_can_wait_reads_a_coroutine_functions_code() -> None:
-    from amesh._runtime._mailbox import can_wait
+    from amesh._runtime import can_wait
 
     async def returns(x: int) -> int:
         return x

@@ -12,7 +12,7 @@ import pytest
 
 from amesh import ActorError, ProcMesh, _codec, _wire
 from amesh._ratelog import RateLimitedLog
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport
 
 from .actors import Awkward, Counter

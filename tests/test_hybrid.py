@@ -19,19 +19,19 @@ import anyio
 import pytest
 
 from amesh import Actor, ActorError, ProcMesh, _identity, endpoint
-from amesh._hosts._agent import parse_listen
+from amesh._hosts import parse_listen
 from amesh._hosts._remote import _agent_address
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 from amesh._transport import (
     HostStreams,
     HybridTransport,
     Transport,
     _tls,
+    dial_part,
     open_transport,
 )
 from amesh._transport._ext import ExtTransport
 from amesh._transport._hybrid import alias_of, local_alias
-from amesh._transport._tags import dial_part
 
 from . import test_transport as conformance
 from .actors import Counter

@@ -14,7 +14,7 @@ import pytest
 
 import amesh
 from amesh import Failure, ProcMesh, SupervisionError
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 from amesh._transport import open_transport
 from amesh.testing import FaultyTransport, InProcessHost, MemoryTransport, open_runtime
 

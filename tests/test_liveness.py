@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 from amesh import ProcMesh, SupervisionError, _wire
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
 from amesh._transport import _stream_wire as wire
 from amesh._transport._nng import NngTransport

@@ -19,10 +19,9 @@ import anyio
 import pytest
 
 from amesh import ProcMesh, _wire
-from amesh._runtime import _output
+from amesh._runtime import _output, current_runtime
 from amesh._runtime._capture import MAX_LINES
 from amesh._runtime._output import ranks_text
-from amesh._runtime._runtime import current_runtime
 from amesh._transport import StreamTransport
 
 from .output_actors import Goodbye, Printer

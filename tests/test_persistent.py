@@ -28,7 +28,7 @@ import amesh.testing
 from amesh._hosts._home import local_agent_address
 from amesh._hosts._remote import local_hosts
 from amesh._identity import job_key
-from amesh._runtime._runtime import open_runtime
+from amesh._runtime import open_runtime
 from amesh._transport import open_transport
 
 from .test_agent import agents, gone, shared_key

@@ -13,7 +13,7 @@ import pytest
 from anyio.abc import ByteReceiveStream
 
 import amesh
-from amesh._runtime._runtime import open_runtime
+from amesh._runtime import open_runtime
 from amesh._transport import open_transport
 
 from .test_agent import agents, shared_key

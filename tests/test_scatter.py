@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from amesh import Actor, ActorError, ProcMesh, ValueMesh, current_rank, endpoint
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from amesh import Actor, ProcMesh, _codec, current_rank, endpoint
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,7 @@ import pytest
 
 import amesh
 from amesh import SlurmJob
-from amesh._runtime._runtime import open_runtime
+from amesh._runtime import open_runtime
 from amesh._transport import HybridTransport, StreamTransport, open_transport
 
 from .actors import Counter

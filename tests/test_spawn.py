@@ -725,7 +725,7 @@ def _send_raw(zygote: Any, change: dict[str, str], base: dict[str, str] | None) 
 
 def _zygote_of_this_runtime() -> Any:
     from amesh._hosts import _local
-    from amesh._runtime._runtime import current_runtime
+    from amesh._runtime import current_runtime
 
     zygote = _local._ZYGOTES[current_runtime()].zygote
     assert zygote is not None and zygote._base is not None

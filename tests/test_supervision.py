@@ -11,7 +11,7 @@ import pytest
 
 import amesh
 from amesh import DeadlockError, Failure, ProcMesh, RestartPolicy, SupervisionError
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 
 from .actors import Counter, Cyclic, Mid, Mortal
 from .test_lifecycle import wait_pid_gone

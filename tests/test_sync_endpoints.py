@@ -8,8 +8,8 @@ import anyio
 import pytest
 
 from amesh import ProcMesh, endpoint
+from amesh._runtime import current_runtime
 from amesh._runtime._mailbox import cheap_to_pickle
-from amesh._runtime._runtime import current_runtime
 
 from .actors import Sync
 

@@ -37,12 +37,12 @@ from amesh._transport import (
     Transport,
     _auth,
     _tls,
+    dial_part,
     heartbeat_sender,
     open_transport,
 )
 from amesh._transport._ext import ExtTransport
 from amesh._transport._nng import NngTransport
-from amesh._transport._tags import dial_part
 
 from . import test_transport as conformance
 from .test_transport import Impl, Inbox, Lost, RawPeer, make  # noqa: F401 (make: a fixture)
@@ -495,7 +495,7 @@ async def test_workers_forked_for_tls_share_the_zygotes_job_ca() -> None:
     forks the workers (and imports cryptography once), so two workers show the very
     same CA certificate, each with a leaf key of its own that the CA signed."""
     from amesh import ProcMesh
-    from amesh._runtime._runtime import open_runtime
+    from amesh._runtime import open_runtime
 
     from .actors import TlsIdentity
 
@@ -578,7 +578,7 @@ def test_certificate_files_are_checked(tmp_path: Path, monkeypatch: pytest.Monke
 async def test_a_mesh_over_tls(impl_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A controller and its workers on tls+tcp: spawn, the adverbs, a remote error."""
     from amesh import ActorError, ProcMesh
-    from amesh._runtime._runtime import open_runtime
+    from amesh._runtime import open_runtime
     from amesh._transport import open_transport
 
     from .actors import Counter

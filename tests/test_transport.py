@@ -21,18 +21,18 @@ import pytest
 
 from amesh import _ext, _identity, _wire
 from amesh._transport import (
+    Frame,
     StreamTransport,
     Transport,
     TransportClosed,
     _auth,
     heartbeat_sender,
+    ipc_dir,
     open_transport,
 )
 from amesh._transport import _stream_wire as wire
 from amesh._transport._ext import ExtTransport
-from amesh._transport._frame import Frame
 from amesh._transport._nng import NngTransport, _fresh_address
-from amesh._transport._paths import ipc_dir
 from amesh._transport._tags import dial_part, tag_of
 
 pytestmark = pytest.mark.anyio

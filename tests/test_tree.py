@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from amesh import Failure, ProcMesh, SupervisionError, ValueMesh
-from amesh._runtime._runtime import current_runtime
+from amesh._runtime import current_runtime
 from amesh._runtime._tree import plan, split
 from amesh.testing import InProcessHost, MemoryTransport, open_runtime
 

@@ -37,8 +37,8 @@ from ._hosts import attach_mesh as attach_mesh
 from ._hosts import this_host as this_host
 from ._proc_mesh import ProcMesh as ProcMesh
 from ._run import run as run
-from ._runtime._session import Op as Op
-from ._runtime._session import Stream as Stream
+from ._runtime import Op as Op
+from ._runtime import Stream as Stream
 from ._shape import Point as Point
 from ._shape import Shape as Shape
 from ._supervision import RestartPolicy as RestartPolicy

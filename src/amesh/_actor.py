@@ -10,9 +10,7 @@ from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Typ
 import anyio
 
 from ._config import settings
-from ._runtime._context import call_context
-from ._runtime._mailbox import Handler, can_wait
-from ._runtime._pausable import may_pause
+from ._runtime import Handler, call_context, can_wait, may_pause
 from ._shape import Point
 
 __all__ = [

@@ -6,9 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
 from ._endpoint import MeshEndpoint
-from ._runtime._runtime import Tree
-from ._runtime._session import bridged_always
-from ._runtime._tree import grouped
+from ._runtime import Tree, bridged_always, grouped
 from ._shape import Shape
 from ._value_mesh import MeshView
 

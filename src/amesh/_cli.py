@@ -169,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a new key to {args.path} (readable by you only)")
         return 0
     if args.command == "agent":
-        from ._hosts._agent import DEFAULT_GRACE, parse_listen
-        from ._hosts._agent import main as agent_main
+        from ._hosts import DEFAULT_GRACE, agent_main, parse_listen
         from ._identity import read_key_file
 
         try:
@@ -193,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
             args.lock,
         )
     if args.command in ("list", "stop", "stacks", "logs"):
-        from ._hosts._admin import main as admin_main
+        from ._hosts import admin_main
 
         hosts = [h for h in getattr(args, "hosts", "").split(",") if h] or None
         return admin_main(args.command, hosts, getattr(args, "key_file", None), args)
     if args.command == "debug":
         from ._debug import cli as debug_main
-        from ._hosts._home import state_dir
+        from ._hosts import state_dir
 
         if not args.wait >= 0:
             print("amesh debug: --wait must be 0 or more seconds", file=sys.stderr)

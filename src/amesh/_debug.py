@@ -60,12 +60,19 @@ from anyio.lowlevel import EventLoopToken, current_token
 
 from ._config import settings, take_internal
 from ._identity import job_key
-from ._runtime._context import call_context
-from ._runtime._pausable import debugged_here, paused_outside, wait_off_loop
-from ._runtime._session import bridged
+from ._runtime import bridged, call_context, debugged_here, paused_outside, wait_off_loop
 from ._tracebacks import RUNNERS
-from ._transport import HANDSHAKE_TIMEOUT, Gate, Refusals, Refused, check_peer, mac
-from ._transport._stream_wire import StreamBeat, fresh_address, parse_address
+from ._transport import (
+    HANDSHAKE_TIMEOUT,
+    Gate,
+    Refusals,
+    Refused,
+    StreamBeat,
+    check_peer,
+    fresh_stream_address,
+    mac,
+    parse_stream_address,
+)
 
 __all__ = [
     "DEBUG_ENV",
@@ -270,8 +277,8 @@ class DebugListener:
     """
 
     def __init__(self, files: Callable[[], Path]) -> None:
-        self.address = fresh_address("abstract")
-        family, sockaddr = parse_address(self.address)
+        self.address = fresh_stream_address("abstract")
+        family, sockaddr = parse_stream_address(self.address)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.bind(sockaddr)

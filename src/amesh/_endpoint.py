@@ -12,10 +12,7 @@ import anyio
 
 from . import _codec, _wire
 from ._errors import ActorError, DeadlockError, Failure, ProtocolError, SupervisionError
-from ._runtime._calls import rank_label
-from ._runtime._context import is_local
-from ._runtime._runtime import Payloads, Pending, current_runtime
-from ._runtime._session import Stream, bridged
+from ._runtime import Payloads, Pending, Stream, bridged, current_runtime, is_local, rank_label
 from ._shape import Point
 from ._value_mesh import ValueMesh
 

@@ -17,11 +17,14 @@ import msgspec
 from . import _codec, _reload
 from ._actor import Actor, endpoint, handlers_of
 from ._bootstrap import WorkerSpec, this_worker
-from ._runtime._capture import output_identity
-from ._runtime._context import CallContext, call_context
-from ._runtime._mailbox import ActorInstance
-from ._runtime._runtime import current_runtime
-from ._runtime._stacks import format_stacks
+from ._runtime import (
+    ActorInstance,
+    CallContext,
+    call_context,
+    current_runtime,
+    format_stacks,
+    output_identity,
+)
 from ._shape import Shape
 
 __all__ = ["AGENT_KEY", "CONTROLLER_KEY", "ControllerAgent", "ProcAgent", "serve_controller"]

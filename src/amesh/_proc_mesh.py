@@ -43,23 +43,37 @@ from ._actor_mesh import ActorMesh
 from ._config import default_transport, heartbeats, settings, warn_unknown
 from ._endpoint import _ranks_text, unpicklable
 from ._errors import ActorError, Failure, SupervisionError
-from ._mesh import _registry
-from ._mesh._host import Holder, Host, ProcHandle, default_host, persistent_host
-from ._mesh._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned, failure_of
-from ._mesh._supervisor import MeshSupervisor
+from ._mesh import (
+    STOP_ACTORS_TIMEOUT,
+    Holder,
+    Host,
+    Lifecycle,
+    MeshState,
+    MeshSupervisor,
+    ProcHandle,
+    Spawned,
+    default_host,
+    failure_of,
+    persistent_host,
+    registry_forget,
+    registry_update,
+)
 from ._proc_agent import AGENT_KEY, ProcAgent, serve_controller
-from ._runtime._context import call_context, runtime_var
-from ._runtime._mailbox import ActorInstance
-from ._runtime._output import output_mode
-from ._runtime._runtime import (
+from ._runtime import (
+    LOOP_TIMEOUT,
+    ActorInstance,
+    Op,
     Runtime,
+    bridged,
+    bridged_always,
+    call_context,
     current_runtime,
     is_supervision,
     open_runtime,
+    output_mode,
     pass_cancellation,
+    runtime_var,
 )
-from ._runtime._session import Op, bridged, bridged_always
-from ._runtime._stackdump import LOOP_TIMEOUT
 from ._shape import Shape
 from ._supervision import RestartPolicy, Supervisor, restart_policy
 from ._tracebacks import hide_amesh_frames
@@ -437,7 +451,7 @@ class ProcMesh(MeshView):
             holder: Holder = self._host  # type: ignore[assignment]
             await holder.hold(self._record(st))
         serve_controller(st.runtime, self)  # for `amesh logs` and `amesh stacks`
-        _registry.update(self)
+        registry_update(self)
 
     def listing(self) -> dict[str, Any] | None:
         """This mesh as ``amesh list`` finds it (see :mod:`amesh._mesh._registry`)."""
@@ -518,7 +532,7 @@ class ProcMesh(MeshView):
         if self._scoped:
             st.tg.cancel_scope.cancel()  # the watches of the processes
         st.closed.set()
-        _registry.forget(self)
+        registry_forget(self)
 
     def _let_go(self, by: str) -> bool:
         """Another controller (``by``: its pid and host) takes this persistent mesh
@@ -585,7 +599,7 @@ class ProcMesh(MeshView):
                 self._detach()
             else:
                 await self._life.shutdown(st)
-            _registry.forget(self)
+            registry_forget(self)
         passed = pass_cancellation(exc_type, exc, tb)
         suppressed = bool(await stack.__aexit__(*passed)) and passed[1] is not None
         if st.unhandled and (exc is None or suppressed or remote or is_supervision(exc)):
@@ -618,7 +632,7 @@ class ProcMesh(MeshView):
             return
         with anyio.CancelScope(shield=True):
             await self._life.shutdown(st)
-            _registry.forget(self)
+            registry_forget(self)
             if self._persistent:
                 holder: Holder = self._host  # type: ignore[assignment]
                 try:

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import anyio
 
 from ._config import default_transport, loop_options, settings
-from ._runtime._runtime import open_runtime
+from ._runtime import open_runtime
 from ._tracebacks import hide_amesh_frames
 from ._transport import open_transport
 

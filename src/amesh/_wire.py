@@ -37,8 +37,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from ._transport._frame import Frame, frame_size, join
-from ._transport._tags import TAG_PATTERN
+from ._transport import TAG_PATTERN, Frame, frame_size, join
 
 __all__ = [
     "ADDRESS_PATTERN",

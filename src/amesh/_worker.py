@@ -57,17 +57,29 @@ from ._bootstrap import Bootstrap, WorkerSpec, read_bootstrap, started_as
 from ._config import loop_options, settings
 from ._identity import adopt_key
 from ._proc_agent import AGENT_KEY, ProcAgent
-from ._runtime import _capture, _stackdump
-from ._runtime._context import call_context
-from ._runtime._logfile import LogWriter
-from ._runtime._mailbox import ActorInstance
-from ._runtime._runtime import Runtime, open_runtime
-from ._transport import Transport, heartbeat_sender, local_route, open_transport
-from ._transport._stream_wire import HEADER, StreamBeat, is_stream_address
+from ._runtime import (
+    ActorInstance,
+    LogWriter,
+    Runtime,
+    active_capture,
+    call_context,
+    install_capture,
+    install_stack_dump,
+    open_runtime,
+)
+from ._transport import (
+    STREAM_HEADER,
+    StreamBeat,
+    Transport,
+    heartbeat_sender,
+    is_stream_address,
+    local_route,
+    open_transport,
+)
 
 if TYPE_CHECKING:
     from ._ext import Beat
-    from ._transport._nng import NngBeat
+    from ._transport import NngBeat
 
 _PR_SET_PDEATHSIG = 1
 
@@ -135,14 +147,14 @@ class NativeBeats:
         stream = is_stream_address(parent)
         self._nng: NngBeat | None = None
         if not stream:
-            from ._transport import _ext as _binds_nng  # noqa: F401  (the NNG functions)
-            from ._transport._nng import NngBeat
+            from ._transport import NngBeat, load_nng
 
+            load_nng()  # the extension's Beat sends through NNG's functions
             self._nng = NngBeat(parent, own)
         self._make = _ext.Beat
         self._parent, self._own, self._period, self._tid = parent, own, period, watch_tid
         self._hung_after = hung_after
-        self._frame = HEADER.pack(len(frame)) + frame if stream else frame
+        self._frame = STREAM_HEADER.pack(len(frame)) + frame if stream else frame
         self._lock = threading.Lock()
         self._beat: Beat | None = None
         #: the stream socket ``_beat`` writes to (-1: none, or NNG); and the one that
@@ -325,7 +337,7 @@ async def serve(
             rt.add_actor(
                 ActorInstance(rt, AGENT_KEY, AGENT_KEY, agent, handlers_of(ProcAgent), parent, 0)
             )
-            capture = _capture.active()
+            capture = active_capture()
             try:
                 await rt.send_frame(parent, _wire.Ready(token, rt.address, rt.pid))
                 if capture is not None:  # (its first frame must follow the Ready)
@@ -429,7 +441,7 @@ def _take_output(spec: WorkerSpec, level: str) -> None:
         # a persistent mesh's worker keeps its lines in a file its host agent reads too
         path = spec.output_file
         log_file = LogWriter(path, settings().log_file_bytes) if path else None
-        _capture.install(label, spec.slot, level, system=(AGENT_KEY,), log_file=log_file)
+        install_capture(label, spec.slot, level, system=(AGENT_KEY,), log_file=log_file)
         return
     if label and mode == "off":
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -461,7 +473,7 @@ def main(boot: Bootstrap | None = None) -> None:
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
     sys.path[:] = boot.sys_path
     _take_output(boot.spec, settings().log_level or "WARNING")
-    _stackdump.install()  # its stacks when its event loop cannot answer
+    install_stack_dump()  # its stacks when its event loop cannot answer
     backend = boot.spec.backend  # the event loop its ProcMesh asks for
     if backend not in ("asyncio", "trio"):
         print(f"amesh worker: no event loop {backend!r}; running asyncio", file=sys.stderr)

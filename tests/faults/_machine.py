@@ -27,8 +27,7 @@ from hypothesis.stateful import (
 )
 
 from amesh import ActorError, ActorMesh, Failure, ProcMesh, SupervisionError
-from amesh._runtime._context import runtime_var
-from amesh._runtime._runtime import Runtime, open_runtime
+from amesh._runtime import Runtime, open_runtime, runtime_var
 from amesh._transport import open_transport
 
 from ..actors import Caller, Ledger

@@ -1,6 +1,13 @@
 """Where processes come from: this machine, machines with a host agent, and this
 process (the in-process host: runtimes on this event loop).
 
+This is the package's front door: other packages import only what is exported here.
+The main entry points are :func:`this_host` (this machine, through the zygote),
+:class:`HostMesh` and :func:`attach` / :func:`attach_mesh` (host agents and the
+persistent meshes they hold), :class:`SlurmJob`, :class:`InProcessHost`, and the
+command line's: :func:`agent_main` (``amesh agent``), :func:`admin_main` (``amesh
+list``, ``stop``, ``stacks``, ``logs``) and :func:`state_dir`.
+
 The layers below (ProcMesh, the debugger) cannot import this one: :func:`plug_in`
 tells them this machine's host, where persistent meshes live, and where paused ranks
 on other machines are found. The package :mod:`amesh` calls it, once, in its
@@ -9,23 +16,34 @@ on other machines are found. The package :mod:`amesh` calls it, once, in its
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .._debug import set_remote_debuggers
-from .._mesh._host import Host, ProcHandle, set_default_host, set_persistent_host
+from .._mesh import set_default_host, set_persistent_host
+from ._agent import DEFAULT_GRACE, parse_listen
+from ._agent import main as agent_main
+from ._home import state_dir
 from ._inprocess import InProcessHost
 from ._local import LocalHost, this_host
 from ._remote import HostMesh, attach, attach_mesh, local_holder, remote_debuggers
 from ._slurm import SlurmJob
 
+if TYPE_CHECKING:
+    from ._admin import main as admin_main
+
 __all__ = [
-    "Host",
+    "DEFAULT_GRACE",
     "HostMesh",
     "InProcessHost",
     "LocalHost",
-    "ProcHandle",
     "SlurmJob",
+    "admin_main",
+    "agent_main",
     "attach",
     "attach_mesh",
+    "parse_listen",
     "plug_in",
+    "state_dir",
     "this_host",
 ]
 
@@ -37,3 +55,13 @@ def plug_in() -> None:
     set_default_host(this_host())
     set_persistent_host(local_holder)
     set_remote_debuggers(remote_debuggers)
+
+
+def __getattr__(name: str) -> object:
+    # The admin commands' module (and the inspection modules it imports) is loaded on
+    # first use: import amesh does not need them.
+    if name == "admin_main":
+        from ._admin import main
+
+        return main
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,10 +15,9 @@ import anyio
 from .._config import default_transport, settings
 from .._errors import SupervisionError
 from .._identity import adopt_key_file
-from .._mesh._registry import read_all
-from .._runtime._runtime import open_runtime
-from .._transport import open_transport
-from .._transport._stream import StreamTransport
+from .._mesh import registry_read_all
+from .._runtime import open_runtime
+from .._transport import StreamTransport, open_transport
 from ._agent import address_towards
 from ._home import local_key
 from ._inspect import held_logs, held_stacks
@@ -140,7 +139,10 @@ async def _stop(name: str, hosts: Sequence[str] | None, key_file: str | None) ->
         mesh, _ = await find_held(name, hosts, key_file)
     except LookupError:
         owners = sorted(
-            str(r["pid"]) for r in read_all() for m in r.get("meshes", []) if m["name"] == name
+            str(r["pid"])
+            for r in registry_read_all()
+            for m in r.get("meshes", [])
+            if m["name"] == name
         )
         if hosts is not None or not owners:
             raise

@@ -56,15 +56,17 @@ from .._config import settings
 from .._debug import current_listener, debug_env
 from .._identity import adopt_key, read_key_file
 from .._limits import TASKS_PER_PROCESS, raise_open_files, raise_processes
-from .._mesh._host import ProcessLike
-from .._mesh._supervisor import pid_alive
-from .._runtime._context import call_context
-from .._runtime._logfile import read as read_logs
-from .._runtime._mailbox import ActorInstance
-from .._runtime._runtime import Runtime, current_runtime, open_runtime
-from .._runtime._stackdump import stacks_by_signal
-from .._transport import HostStreams, HybridTransport, Transport, default_impl, open_tls
-from .._transport._guard import Limits
+from .._mesh import ProcessLike, pid_alive
+from .._runtime import (
+    ActorInstance,
+    Runtime,
+    call_context,
+    current_runtime,
+    open_runtime,
+    read_logs,
+    stacks_by_signal,
+)
+from .._transport import HostStreams, HybridTransport, Limits, Transport, default_impl, open_tls
 from ._home import hold_agent_lock, state_dir
 from ._local import launch_worker, start_zygote
 
@@ -254,7 +256,7 @@ class HostAgent(Actor):
         """The output of persistent mesh ``name``'s workers here, from their log files
         (of rank ``rank`` only, when given): ``(time, line)`` in time order, the last
         ``n``, or those written since ``cursor`` (from the answer before); and the
-        cursor after them. See :func:`amesh._runtime._logfile.read`."""
+        cursor after them. See :func:`amesh._runtime.read_logs`."""
         if name not in self.meshes:
             raise LookupError(f"no persistent mesh named {name!r} here")
         paths = [c.log for c in self.children.values() if c.mesh == name and c.log]

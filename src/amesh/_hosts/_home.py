@@ -38,7 +38,7 @@ import anyio
 
 from .._config import settings
 from .._identity import write_key_file
-from .._mesh._registry import set_registry_dir
+from .._mesh import set_registry_dir
 
 __all__ = [
     "found_agent",

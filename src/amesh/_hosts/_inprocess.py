@@ -20,9 +20,9 @@ import anyio
 
 from .. import _wire
 from .._bootstrap import WorkerSpec
-from .._mesh._host import ProcHandle
+from .._mesh import ProcHandle
 from .._proc_mesh import ProcMesh
-from .._runtime._runtime import Runtime
+from .._runtime import Runtime
 from .._transport import MemoryTransport, Transport, open_transport
 from ._ready import ReadyWaiter
 

@@ -16,9 +16,9 @@ import anyio
 
 from .._actor_mesh import ActorMesh
 from .._errors import SupervisionError
-from .._mesh._host import describe_exit
+from .._mesh import describe_exit
 from .._proc_agent import AGENT_KEY, ProcAgent
-from .._runtime._stackdump import DUMP_TIMEOUT, LOOP_TIMEOUT
+from .._runtime import DUMP_TIMEOUT, LOOP_TIMEOUT
 from .._shape import Shape
 from ._live import FOLLOW_PERIOD
 from ._remote import find_held

@@ -15,11 +15,9 @@ import anyio
 from .._actor_mesh import ActorMesh
 from .._errors import SupervisionError
 from .._identity import adopt_key
-from .._mesh._registry import read_all
+from .._mesh import registry_read_all
 from .._proc_agent import AGENT_KEY, CONTROLLER_KEY, ControllerAgent, ProcAgent
-from .._runtime._logfile import rank_of
-from .._runtime._runtime import open_runtime
-from .._runtime._stackdump import DUMP_TIMEOUT, LOOP_TIMEOUT
+from .._runtime import DUMP_TIMEOUT, LOOP_TIMEOUT, open_runtime, rank_of
 from .._shape import Shape
 from .._transport import open_transport
 
@@ -117,7 +115,7 @@ async def live_meshes() -> list[dict[str, Any]]:
     """Every live mesh of the controllers on this machine (but this process): its
     registry entry, with ``controller_pid`` and per rank the worker's ``status``."""
     found = []
-    for record in read_all():
+    for record in registry_read_all():
         if record.get("pid") == os.getpid():
             continue
         for mesh in record.get("meshes", []):
@@ -135,7 +133,7 @@ def find(name: str, pid: int | None) -> tuple[str, dict[str, Any]]:
     """
     matches = [
         (m.get("key") or r["key"], m | {"controller_pid": r["pid"]})
-        for r in read_all()
+        for r in registry_read_all()
         for m in r.get("meshes", [])
         if m["name"] == name and pid in (None, r["pid"])
     ]

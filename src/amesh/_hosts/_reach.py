@@ -30,7 +30,7 @@ from .._config import settings
 from .._transport import CHALLENGE_LEN
 
 if TYPE_CHECKING:
-    from .._transport._tls import Material
+    from .._transport import Material
 
 __all__ = ["PROBE_TIMEOUT", "AgentAddress", "parse_agent_address", "resolves", "why_unreachable"]
 
@@ -213,9 +213,9 @@ def _load_own_certificate(ctx: ssl.SSLContext, material: Material) -> None:
 async def _shows_our_ca(stream: anyio.abc.SocketStream) -> bool | None:
     """Whether the TLS listener on ``stream`` shows a certificate of this job's CA;
     None when it does not finish its handshake in time."""
-    from .._transport import _tls  # pynng: only a controller that dials TLS needs it
+    from .._transport import tls_material  # pynng: only a controller that dials TLS needs it
 
-    material = _tls.material()
+    material = tls_material()
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(cadata=material.ca)
     _load_own_certificate(ctx, material)

@@ -8,8 +8,8 @@ import anyio
 
 from .. import _wire
 from .._errors import SupervisionError
-from .._mesh._host import ProcessLike, exit_cause
-from .._runtime._runtime import Runtime
+from .._mesh import ProcessLike, exit_cause
+from .._runtime import Runtime
 
 __all__ = ["STARTUP_TIMEOUT", "ReadyWaiter"]
 

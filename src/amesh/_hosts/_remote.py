@@ -33,16 +33,13 @@ from .._bootstrap import WorkerSpec
 from .._debug import RemoteDebugger
 from .._errors import ActorError, SupervisionError
 from .._identity import adopt_key_file, hold_key, read_key_file
-from .._mesh._host import Holder, ProcHandle
+from .._mesh import Holder, ProcHandle
 from .._proc_agent import CONTROLLER_KEY, ControllerAgent
 from .._proc_mesh import ProcMesh
-from .._runtime._peers import LINK_LOST
-from .._runtime._runtime import Runtime, current_runtime
-from .._runtime._session import bridged
+from .._runtime import LINK_LOST, Runtime, bridged, current_runtime
 from .._shape import Shape
 from .._supervision import Supervisor
-from .._transport import open_transport
-from .._transport._tags import dial_part
+from .._transport import dial_part, open_transport
 from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards

@@ -33,8 +33,7 @@ import anyio
 
 from .._config import settings
 from .._identity import job_key, read_key_file
-from .._runtime._runtime import current_runtime
-from .._runtime._session import bridged
+from .._runtime import bridged, current_runtime
 from ._remote import HostMesh, attach
 
 __all__ = ["SlurmJob", "jobs_dir"]

@@ -92,8 +92,7 @@ from .._bootstrap import Bootstrap
 from .._config import VARIABLES, loop_options, settings, take_internal
 from .._config import reset as reset_settings
 from .._limits import raise_open_files, raise_processes
-from .._transport import default_impl
-from .._transport._hybrid import TLS_PREFIX
+from .._transport import TLS_PREFIX, default_impl
 
 __all__ = [
     "Exited",
@@ -785,17 +784,19 @@ def _prepare_tls(key: bytes) -> None:
     """Before forking a worker whose parent is reached over ``tls+tcp`` (a host agent's
     workers, and those of a controller on ``tcp``): import what its transport needs
     (pynng, the C extension's NNG functions, ``cryptography``) and make the job CA of
-    ``key`` (:func:`amesh._transport._tls.prepare`), here once rather than in every
+    ``key`` (:func:`amesh._transport.prepare_tls`), here once rather than in every
     child, which then only makes its own leaf key and certificate. Each worker of a
     host agent spent ~45 ms of CPU importing them and ~7 ms deriving the CA and signing
     its certificate, and kept a copy of ``cryptography`` of its own (a worker's CPU to
     its first answer: ~62 -> ~14 ms; PSS: 14.6 -> 8.7 MiB). Nothing here starts a
     thread; what fails is left to the child, which meets it again and reports it."""
     try:
-        from .._transport import _ext as _nng  # noqa: F401  (binds NNG's functions)
-        from .._transport import _tls
+        from .._transport import load_nng
 
-        _tls.prepare(key)
+        load_nng()  # first: where it fails, the TLS modules are not imported either
+        from .._transport import prepare_tls
+
+        prepare_tls(key)
     except Exception:  # ImportError (no pynng or extension), a failing derivation
         pass
     if key not in _prepared:
@@ -1065,9 +1066,8 @@ def _rehearse() -> None:
         return
     from .._actor import Actor, endpoint
     from .._identity import KEY_SIZE, borrowed_key
-    from .._mesh._registry import unlisted
-    from .._runtime import _capture
-    from .._runtime._runtime import open_runtime
+    from .._mesh import unlisted
+    from .._runtime import Capture, open_runtime
     from .._transport import open_transport
     from ._inprocess import InProcessHost
 
@@ -1075,7 +1075,7 @@ def _rehearse() -> None:
         # What a worker's start does before its loop runs, less what it changes for
         # good (descriptors, threads, the streams): each call leaves nothing behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (as it is here already)
-        _capture.Capture("rehearsal", 0, ())
+        Capture("rehearsal", 0, ())
         codecs.getincrementaldecoder("utf-8")("replace")
         threading.Thread(target=start, name="rehearsal", daemon=True)
 

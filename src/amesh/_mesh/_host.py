@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from .._runtime._stackdump import stacks_by_signal
+from .._runtime import stacks_by_signal
 
 if TYPE_CHECKING:
     from .._bootstrap import WorkerSpec
-    from .._runtime._runtime import Runtime
+    from .._runtime import Runtime
 
 __all__ = [
     "Holder",

@@ -16,8 +16,7 @@ from .._bootstrap import WorkerSpec
 from .._config import default_transport, exported
 from .._errors import ActorError, Failure, SupervisionError
 from .._proc_agent import AGENT_KEY, ProcAgent
-from .._runtime._output import OutputPrinter
-from .._runtime._runtime import Runtime
+from .._runtime import OutputPrinter, Runtime
 from .._shape import Shape
 from .._supervision import RestartPolicy, RestartWindow
 from ._host import Host, ProcHandle

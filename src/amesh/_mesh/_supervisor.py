@@ -16,7 +16,7 @@ import anyio
 
 from .. import _codec
 from .._errors import Failure
-from .._runtime._mailbox import ActorInstance
+from .._runtime import ActorInstance
 from .._supervision import Supervisor, call_hook, call_supervisor
 from .._wire import FailureReport
 from ._host import ProcHandle

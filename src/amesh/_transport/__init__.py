@@ -13,11 +13,19 @@ the job key).
 The NNG transports (:mod:`._nng`, :mod:`._ext`) are imported only when one is chosen
 or an NNG address is dialled: with the default stream transport, pynng is never
 imported.
+
+This is the package's front door: other packages import only what is exported here.
+The main entry points are :func:`open_transport` (a process's :class:`Transport`),
+:func:`heartbeat_sender`, the handshake's names, the stream transport's addresses and
+frames (:func:`is_stream_address`, :data:`STREAM_HEADER`), and, loaded on first use
+because they import pynng and ``cryptography`` (a module ``__getattr__``),
+:class:`NngBeat` and the TLS material of the job (:func:`prepare_tls`,
+:func:`tls_material`); :func:`load_nng` loads the NNG transports ahead of use.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .._config import settings
 from ._auth import (
@@ -30,32 +38,63 @@ from ._auth import (
     mac,
 )
 from ._base import Deliver, Transport, TransportClosed, TransportStats
+from ._frame import Frame, frame_size, join
+from ._guard import Limits
 from ._hybrid import TLS_PREFIX, HostStreams, HybridTransport, local_route, open_tls
 from ._memory import MemoryTransport
+from ._paths import ipc_dir
 from ._stream import StreamBeat, StreamTransport, is_stream_address
+from ._stream_wire import HEADER as STREAM_HEADER
+from ._stream_wire import fresh_address as fresh_stream_address
+from ._stream_wire import parse_address as parse_stream_address
+from ._tags import TAG_PATTERN, dial_part
+
+if TYPE_CHECKING:
+    from ._nng import NngBeat
+    from ._tls import Material
+    from ._tls import material as tls_material
+    from ._tls import prepare as prepare_tls
 
 __all__ = [
     "CHALLENGE_LEN",
     "HANDSHAKE_TIMEOUT",
+    "STREAM_HEADER",
+    "TAG_PATTERN",
+    "TLS_PREFIX",
     "Deliver",
+    "Frame",
     "Gate",
     "HeartbeatSender",
     "HostStreams",
     "HybridTransport",
+    "Limits",
+    "Material",
     "MemoryTransport",
+    "NngBeat",
     "Refusals",
     "Refused",
+    "StreamBeat",
     "StreamTransport",
     "Transport",
     "TransportClosed",
     "TransportStats",
     "check_peer",
     "default_impl",
+    "dial_part",
+    "frame_size",
+    "fresh_stream_address",
     "heartbeat_sender",
+    "ipc_dir",
+    "is_stream_address",
+    "join",
+    "load_nng",
     "local_route",
     "mac",
     "open_tls",
     "open_transport",
+    "parse_stream_address",
+    "prepare_tls",
+    "tls_material",
 ]
 
 _IMPLS = ("ext", "nng", "stream")
@@ -135,10 +174,39 @@ def _open_nng(impl: str, scheme: str, host: str) -> Transport:
 
 def _nng_impl() -> str:
     try:
-        from . import _ext  # noqa: F401
+        load_nng()
     except ImportError:
         return "nng"
     return "ext"
+
+
+def load_nng() -> None:
+    """Import the NNG transports now: pynng, and the C extension with NNG's functions
+    bound (what the extension's own senders, such as a worker's heartbeat, need).
+
+    Raises:
+        ImportError: pynng or the C extension is not there.
+    """
+    from . import _ext  # noqa: F401  (importing it binds the extension to NNG)
+
+
+def __getattr__(name: str) -> object:
+    # These modules import pynng and cryptography, which a process on the default
+    # stream transport never needs: they are loaded when a name of theirs is first used.
+    if name == "NngBeat":
+        from ._nng import NngBeat
+
+        return NngBeat
+    if name in ("Material", "prepare_tls", "tls_material"):
+        from . import _tls
+
+        tls = {
+            "Material": _tls.Material,
+            "prepare_tls": _tls.prepare,
+            "tls_material": _tls.material,
+        }
+        return tls[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class HeartbeatSender(Protocol):

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from .._hosts import InProcessHost as InProcessHost
-from .._runtime._runtime import open_runtime as _open_runtime
+from .._runtime import open_runtime as _open_runtime
 from .._transport import MemoryTransport as MemoryTransport
 from .._transport import Transport as _Transport
 from ._faulty import FaultyTransport as FaultyTransport

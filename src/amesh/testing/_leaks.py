@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from .._codec import shm_dir
-from .._transport._paths import ipc_dir
+from .._transport import ipc_dir
 
 __all__ = [
     "LeakError",
