@@ -35,7 +35,7 @@ are read there; it may be a ``git worktree`` of an older commit). What it prints
   ``TYPE_CHECKING``; relative or absolute; ``from P import _m`` where ``_m`` is a
   module counts as importing ``P._m``) of a module inside a subpackage ``P`` of
   amesh, other than ``P`` itself (its front door), by a module outside ``P``. E.g.
-  ``from amesh._runtime._mailbox import X`` in ``amesh._endpoint``. A module of the
+  ``from amesh._runtime._mailbox import X`` in ``amesh._model._endpoint``. A module of the
   ``amesh`` package itself (``amesh._codec``) is nobody's private module here: the
   top level is the shared ground. Per package: the files that reach in, the private
   modules reached, the import statements.

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from amesh import Failure, ProcMesh, _codec, _wire
-from amesh._proc_agent import AGENT_KEY
+from amesh._model import AGENT_KEY
 from amesh._runtime import Runtime, current_runtime
 from amesh._transport import open_transport
 

@@ -47,9 +47,9 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     [
         # at module level: the model layer into a private module of the runtime
         (
-            "_endpoint.py",
-            "from ._runtime._context import call_context as _reached\n",
-            "amesh._endpoint -> amesh._runtime._context",
+            "_model/_endpoint.py",
+            "from .._runtime._context import call_context as _reached\n",
+            "amesh._model._endpoint -> amesh._runtime._context",
         ),
         # inside a function, as a lazy import: the hosts into the transport's TLS module
         (

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from amesh import ProcMesh, ProtocolError, _codec, _wire
-from amesh._proc_agent import AGENT_KEY
+from amesh._model import AGENT_KEY
 from amesh._transport import open_transport
 
 from .actors import Counter

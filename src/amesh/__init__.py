@@ -2,27 +2,19 @@
 
 The public API is re-exported here from private modules; the layers, lowest first:
 ``_transport`` (frames between processes), ``_wire``/``_codec`` (envelopes, payloads),
-``_runtime`` (router, mailboxes, pending calls), then the user-facing model
-(``_actor``, ``_endpoint``, ``_actor_mesh``, ``_proc_mesh``), ``_worker`` (a worker's
-main) and ``_hosts`` (where processes come from). Lower layers never import higher
-ones, not even inside a function; ``lint-imports`` checks it (``[tool.importlinter]``
-in pyproject.toml).
+``_runtime`` (router, mailboxes, pending calls), ``_model`` (actors, endpoints, actor
+and value meshes, restart policies), ``_mesh`` (ProcMesh, its lifecycle and
+supervisor), ``_worker`` (a worker's main) and ``_hosts`` (where processes come
+from). Lower layers never import higher ones, not even inside a function;
+``lint-imports`` checks it (``[tool.importlinter]`` in pyproject.toml).
 """
 
 from __future__ import annotations
 
 from . import _hosts
-from ._actor import Actor as Actor
-from ._actor import cancelled as cancelled
-from ._actor import current_actor as current_actor
-from ._actor import current_rank as current_rank
-from ._actor import current_size as current_size
-from ._actor import endpoint as endpoint
-from ._actor_mesh import ActorMesh as ActorMesh
 from ._config import ConfigError as ConfigError
 from ._config import configure as configure
 from ._debug import debug as debug
-from ._endpoint import MeshEndpoint as MeshEndpoint
 from ._errors import ActorError as ActorError
 from ._errors import DeadlockError as DeadlockError
 from ._errors import Failure as Failure
@@ -35,14 +27,22 @@ from ._hosts import SlurmJob as SlurmJob
 from ._hosts import attach as attach
 from ._hosts import attach_mesh as attach_mesh
 from ._hosts import this_host as this_host
-from ._proc_mesh import ProcMesh as ProcMesh
+from ._mesh import ProcMesh as ProcMesh
+from ._model import Actor as Actor
+from ._model import ActorMesh as ActorMesh
+from ._model import MeshEndpoint as MeshEndpoint
+from ._model import RestartPolicy as RestartPolicy
+from ._model import ValueMesh as ValueMesh
+from ._model import cancelled as cancelled
+from ._model import current_actor as current_actor
+from ._model import current_rank as current_rank
+from ._model import current_size as current_size
+from ._model import endpoint as endpoint
 from ._run import run as run
 from ._runtime import Op as Op
 from ._runtime import Stream as Stream
 from ._shape import Point as Point
 from ._shape import Shape as Shape
-from ._supervision import RestartPolicy as RestartPolicy
-from ._value_mesh import ValueMesh as ValueMesh
 
 # The one place where the layers are wired: the hosts tell the layers below them (which
 # cannot import them) where processes come from. Every amesh.* import runs this first.

@@ -14,7 +14,7 @@ modules imported by name) keep the old code. The code is compiled from the sourc
 itself, never from a cached ``.pyc``.
 
 Standard library only: the controller's and the worker's sides live on either side
-of the agent (:mod:`amesh._proc_agent`).
+of the agent (:mod:`amesh._model._process_actor`).
 """
 
 from __future__ import annotations

@@ -52,11 +52,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import anyio
 
 from . import _debug, _wire
-from ._actor import handlers_of
 from ._bootstrap import Bootstrap, WorkerSpec, read_bootstrap, started_as
 from ._config import loop_options, settings
 from ._identity import adopt_key
-from ._proc_agent import AGENT_KEY, ProcAgent
+from ._model import AGENT_KEY, ProcAgent, handlers_of
 from ._runtime import (
     ActorInstance,
     LogWriter,

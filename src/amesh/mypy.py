@@ -37,9 +37,9 @@ from mypy.types import (
 
 __all__ = ["plugin"]
 
-_ACTOR_MESH = "amesh._actor_mesh.ActorMesh"
-_DESCRIPTOR = "amesh._actor.EndpointDescriptor"
-_MESH_ENDPOINT = "amesh._endpoint.MeshEndpoint"
+_ACTOR_MESH = "amesh._model._actor_mesh.ActorMesh"
+_DESCRIPTOR = "amesh._model._actor.EndpointDescriptor"
+_MESH_ENDPOINT = "amesh._model._endpoint.MeshEndpoint"
 #: looked up through the package, which re-exports it
 _VALUE_MESH = "amesh.ValueMesh"
 

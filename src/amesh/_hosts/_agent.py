@@ -50,13 +50,13 @@ import anyio
 import msgspec
 
 from .. import _codec, _limits
-from .._actor import Actor, endpoint, handlers_of
 from .._bootstrap import WorkerSpec
 from .._config import settings
 from .._debug import current_listener, debug_env
 from .._identity import adopt_key, read_key_file
 from .._limits import TASKS_PER_PROCESS, raise_open_files, raise_processes
 from .._mesh import ProcessLike, pid_alive
+from .._model import Actor, endpoint, handlers_of
 from .._runtime import (
     ActorInstance,
     Runtime,

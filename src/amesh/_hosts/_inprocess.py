@@ -20,8 +20,7 @@ import anyio
 
 from .. import _wire
 from .._bootstrap import WorkerSpec
-from .._mesh import ProcHandle
-from .._proc_mesh import ProcMesh
+from .._mesh import ProcHandle, ProcMesh
 from .._runtime import Runtime
 from .._transport import MemoryTransport, Transport, open_transport
 from ._ready import ReadyWaiter

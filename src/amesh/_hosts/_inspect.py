@@ -14,10 +14,9 @@ from typing import Any
 
 import anyio
 
-from .._actor_mesh import ActorMesh
 from .._errors import SupervisionError
 from .._mesh import describe_exit
-from .._proc_agent import AGENT_KEY, ProcAgent
+from .._model import AGENT_KEY, ActorMesh, ProcAgent
 from .._runtime import DUMP_TIMEOUT, LOOP_TIMEOUT
 from .._shape import Shape
 from ._live import FOLLOW_PERIOD

@@ -12,11 +12,10 @@ from typing import Any
 
 import anyio
 
-from .._actor_mesh import ActorMesh
 from .._errors import SupervisionError
 from .._identity import adopt_key
 from .._mesh import registry_read_all
-from .._proc_agent import AGENT_KEY, CONTROLLER_KEY, ControllerAgent, ProcAgent
+from .._model import AGENT_KEY, CONTROLLER_KEY, ActorMesh, ControllerAgent, ProcAgent
 from .._runtime import DUMP_TIMEOUT, LOOP_TIMEOUT, open_runtime, rank_of
 from .._shape import Shape
 from .._transport import open_transport

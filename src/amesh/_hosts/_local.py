@@ -26,8 +26,7 @@ from .._bootstrap import Bootstrap, WorkerSpec
 from .._debug import debug_env
 from .._identity import job_key
 from .._limits import TASKS_PER_PROCESS
-from .._mesh import ProcessLike, ProcHandle
-from .._proc_mesh import ProcMesh
+from .._mesh import ProcessLike, ProcHandle, ProcMesh
 from .._runtime import Runtime
 from ._home import state_dir
 from ._ready import ReadyWaiter

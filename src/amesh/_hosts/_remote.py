@@ -28,19 +28,15 @@ from typing import Any
 
 import anyio
 
-from .._actor_mesh import ActorMesh
 from .._bootstrap import WorkerSpec
 from .._debug import RemoteDebugger
 from .._errors import ActorError, SupervisionError
 from .._identity import adopt_key_file, hold_key, read_key_file
-from .._mesh import Holder, ProcHandle
-from .._proc_agent import CONTROLLER_KEY, ControllerAgent
-from .._proc_mesh import ProcMesh
+from .._mesh import Holder, ProcHandle, ProcMesh
+from .._model import CONTROLLER_KEY, ActorMesh, ControllerAgent, MeshView, Supervisor
 from .._runtime import LINK_LOST, Runtime, bridged, current_runtime
 from .._shape import Shape
-from .._supervision import Supervisor
 from .._transport import dial_part, open_transport
-from .._value_mesh import MeshView
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards
 from ._home import found_agent, local_agent, local_agent_address, local_key

@@ -1064,9 +1064,9 @@ def _rehearse() -> None:
     global _rehearsed, _relocated
     if default_impl() != "stream":
         return
-    from .._actor import Actor, endpoint
     from .._identity import KEY_SIZE, borrowed_key
     from .._mesh import unlisted
+    from .._model import Actor, endpoint
     from .._runtime import Capture, open_runtime
     from .._transport import open_transport
     from ._inprocess import InProcessHost

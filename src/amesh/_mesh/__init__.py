@@ -1,7 +1,7 @@
 """The parts behind :class:`~amesh.ProcMesh`: process lifecycle, supervision, and the
 Host interface it starts its processes through (:mod:`._host`).
 
-``amesh._proc_mesh.ProcMesh`` is the small user-facing facade over them.
+:class:`ProcMesh` (:mod:`._proc_mesh`) is the user-facing facade over them.
 
 This is the package's front door: other packages import only what is exported here.
 The main entry points are :class:`Host` and :class:`ProcHandle` (what a host
@@ -26,6 +26,7 @@ from ._host import (
     set_persistent_host,
 )
 from ._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned, failure_of
+from ._proc_mesh import ProcMesh
 from ._registry import forget as registry_forget
 from ._registry import read_all as registry_read_all
 from ._registry import set_registry_dir, unlisted
@@ -40,6 +41,7 @@ __all__ = [
     "MeshState",
     "MeshSupervisor",
     "ProcHandle",
+    "ProcMesh",
     "ProcessLike",
     "Spawned",
     "default_host",

@@ -11,14 +11,12 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .. import _codec, _limits
-from .._actor_mesh import ActorMesh
 from .._bootstrap import WorkerSpec
 from .._config import default_transport, exported
 from .._errors import ActorError, Failure, SupervisionError
-from .._proc_agent import AGENT_KEY, ProcAgent
+from .._model import AGENT_KEY, ActorMesh, ProcAgent, RestartPolicy, RestartWindow
 from .._runtime import OutputPrinter, Runtime
 from .._shape import Shape
-from .._supervision import RestartPolicy, RestartWindow
 from ._host import Host, ProcHandle
 
 __all__ = [

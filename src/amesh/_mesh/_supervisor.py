@@ -16,8 +16,8 @@ import anyio
 
 from .. import _codec
 from .._errors import Failure
+from .._model import Supervisor, call_hook, call_supervisor
 from .._runtime import ActorInstance
-from .._supervision import Supervisor, call_hook, call_supervisor
 from .._wire import FailureReport
 from ._host import ProcHandle
 from ._lifecycle import FAILED_STOP_TIMEOUT, Lifecycle, MeshState, failure_of

@@ -59,9 +59,9 @@ from collections import Counter
 
 import anyio
 
-from .._actor_mesh import ActorMesh
 from .._errors import ActorError, SupervisionError
-from .._proc_mesh import ProcMesh
+from .._mesh import ProcMesh
+from .._model import ActorMesh
 from ._setup import RankEnv, TorchSetup, why_not_nccl
 
 __all__ = ["DistGroup", "init_process_group"]

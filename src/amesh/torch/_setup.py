@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
-from .._actor import Actor, current_rank, endpoint
+from .._model import Actor, current_rank, endpoint
 from .._runtime import current_runtime
 
 __all__ = ["RankEnv", "TorchSetup", "why_not_nccl"]

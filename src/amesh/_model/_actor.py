@@ -9,9 +9,9 @@ from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, Typ
 
 import anyio
 
-from ._config import settings
-from ._runtime import Handler, call_context, can_wait, may_pause
-from ._shape import Point
+from .._config import settings
+from .._runtime import Handler, call_context, can_wait, may_pause
+from .._shape import Point
 
 __all__ = [
     "Actor",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import anyio
 
-from ._errors import Failure
+from .._errors import Failure
 
 __all__ = [
     "RestartPolicy",

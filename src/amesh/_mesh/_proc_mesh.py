@@ -37,29 +37,24 @@ import anyio
 import sniffio
 from anyio.abc import TaskGroup
 
-from . import _codec, _reload
-from ._actor import Actor
-from ._actor_mesh import ActorMesh
-from ._config import default_transport, heartbeats, settings, warn_unknown
-from ._endpoint import _ranks_text, unpicklable
-from ._errors import ActorError, Failure, SupervisionError
-from ._mesh import (
-    STOP_ACTORS_TIMEOUT,
-    Holder,
-    Host,
-    Lifecycle,
-    MeshState,
-    MeshSupervisor,
-    ProcHandle,
-    Spawned,
-    default_host,
-    failure_of,
-    persistent_host,
-    registry_forget,
-    registry_update,
+from .. import _codec, _reload
+from .._config import default_transport, heartbeats, settings, warn_unknown
+from .._errors import ActorError, Failure, SupervisionError
+from .._model import (
+    AGENT_KEY,
+    Actor,
+    ActorMesh,
+    MeshView,
+    ProcAgent,
+    RestartPolicy,
+    Supervisor,
+    ValueMesh,
+    ranks_text,
+    restart_policy,
+    serve_controller,
+    unpicklable,
 )
-from ._proc_agent import AGENT_KEY, ProcAgent, serve_controller
-from ._runtime import (
+from .._runtime import (
     LOOP_TIMEOUT,
     ActorInstance,
     Op,
@@ -74,11 +69,14 @@ from ._runtime import (
     pass_cancellation,
     runtime_var,
 )
-from ._shape import Shape
-from ._supervision import RestartPolicy, Supervisor, restart_policy
-from ._tracebacks import hide_amesh_frames
-from ._transport import open_transport
-from ._value_mesh import MeshView, ValueMesh
+from .._shape import Shape
+from .._tracebacks import hide_amesh_frames
+from .._transport import open_transport
+from ._host import Holder, Host, ProcHandle, default_host, persistent_host
+from ._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned, failure_of
+from ._registry import forget as registry_forget
+from ._registry import update as registry_update
+from ._supervisor import MeshSupervisor
 
 __all__ = ["ProcMesh", "default_transport"]
 
@@ -272,7 +270,7 @@ class ProcMesh(MeshView):
         """What each worker is doing: its pid, and per actor the actor mesh's name, the
         rank, how many messages wait in its mailbox (``queued``), how many handlers
         run (``running``) and the endpoints they run (``now``); see
-        :meth:`ProcAgent.status <amesh._proc_agent.ProcAgent.status>`."""
+        :meth:`ProcAgent.status <amesh._model._process_actor.ProcAgent.status>`."""
         return await self._agents(self._live()).status.call()
 
     @bridged
@@ -310,7 +308,7 @@ class ProcMesh(MeshView):
 
     async def _stacks_by_signal(self, slot: int, full: bool = False) -> str:
         """The stacks of process ``slot``, taken without its event loop (``amesh
-        stacks``, through :class:`~amesh._proc_agent.ControllerAgent`)."""
+        stacks``, through :class:`~amesh._model._process_actor.ControllerAgent`)."""
         st = self._live()
         if not 0 <= slot < len(st.procs):
             raise IndexError(f"{self!r} has no process {slot}")
@@ -790,7 +788,7 @@ class ProcMesh(MeshView):
             whose = "whose process was" if len(stuck) == 1 else "whose processes were"
             raise TimeoutError(
                 f"spawn of actor mesh {name!r}: {init} did not return within {timeout:g} s "
-                f"on {_ranks_text(stuck, len(self._shape))}, {whose} killed (a sync "
+                f"on {ranks_text(stuck, len(self._shape))}, {whose} killed (a sync "
                 "__init__ cannot be interrupted)"
             )
         if st.publish is not None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
+from .._runtime import Tree, bridged_always, grouped
+from .._shape import Shape
 from ._endpoint import MeshEndpoint
-from ._runtime import Tree, bridged_always, grouped
-from ._shape import Shape
 from ._value_mesh import MeshView
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-from ._shape import Point, Shape
+from .._shape import Point, Shape
 
 __all__ = ["MeshView", "ValueMesh"]
 

@@ -14,10 +14,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from . import _codec, _reload
-from ._actor import Actor, endpoint, handlers_of
-from ._bootstrap import WorkerSpec, this_worker
-from ._runtime import (
+from .. import _codec, _reload
+from .._bootstrap import WorkerSpec, this_worker
+from .._runtime import (
     ActorInstance,
     CallContext,
     call_context,
@@ -25,7 +24,8 @@ from ._runtime import (
     format_stacks,
     output_identity,
 )
-from ._shape import Shape
+from .._shape import Shape
+from ._actor import Actor, endpoint, handlers_of
 
 __all__ = ["AGENT_KEY", "CONTROLLER_KEY", "ControllerAgent", "ProcAgent", "serve_controller"]
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 import anyio
 
-from . import _codec, _wire
-from ._errors import ActorError, DeadlockError, Failure, ProtocolError, SupervisionError
-from ._runtime import Payloads, Pending, Stream, bridged, current_runtime, is_local, rank_label
-from ._shape import Point
+from .. import _codec, _wire
+from .._errors import ActorError, DeadlockError, Failure, ProtocolError, SupervisionError
+from .._runtime import Payloads, Pending, Stream, bridged, current_runtime, is_local, rank_label
+from .._shape import Point
 from ._value_mesh import ValueMesh
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def _deadline(timeout: float | None) -> _Deadline:
     return _Deadline(anyio.current_time() + timeout, timeout)
 
 
-def _ranks_text(ranks: list[int], called: int) -> str:
+def ranks_text(ranks: list[int], called: int) -> str:
     """``"rank 3"``, ``"ranks 3, 5 (of 8)"``: the first :data:`_MAX_LISTED` of
     ``ranks``, out of ``called`` ranks."""
     if called == 1 and len(ranks) == 1:
@@ -558,7 +558,7 @@ class _Call:
             where = f"{self._ep._mesh.name}.{self._ep._desc.name}"
             raise TimeoutError(
                 f"{where}: no answer within {deadline.timeout:g} s"
-                f" from {_ranks_text(silent, pending.size)}"
+                f" from {ranks_text(silent, pending.size)}"
             ) from None
 
     def close(self) -> None:
