@@ -114,7 +114,7 @@ async def sink(impl: str, n: int) -> None:
         t0 = t1 = c0 = c1 = 0.0
         done = anyio.Event()
 
-        def deliver(frame: bytes) -> None:
+        def deliver(frame: bytes, peer: str) -> None:
             nonlocal count, t0, t1, c0, c1
             count += 1
             if count == 1:
@@ -172,7 +172,7 @@ async def echo(impl: str) -> None:
     peer: list[str] = []
     async with anyio.create_task_group() as tg:
 
-        def deliver(frame: bytes) -> None:
+        def deliver(frame: bytes, sender: str) -> None:
             if not peer:
                 peer.append(bytes(frame).decode())
             elif not t.try_send(peer[0], bytes(frame)):
@@ -215,7 +215,7 @@ async def ping(impl: str, addr: str, m: int) -> None:
         t = _transport(impl)
         tx, rx = anyio.create_memory_object_stream[bytes](math.inf)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(t.serve, tx.send_nowait)
+            tg.start_soon(t.serve, lambda frame, peer: tx.send_nowait(frame))
             await t.send(addr, t.address.encode())
             for i in range(warmup + m):
                 if i == warmup:
