@@ -25,13 +25,13 @@ from amesh._transport import (
     Transport,
     TransportClosed,
     _auth,
+    _nng_pipes,
     heartbeat_sender,
     open_transport,
 )
 from amesh._transport import _stream_wire as wire
 from amesh._transport._ext import ExtTransport
 from amesh._transport._frame import Frame
-from amesh._transport._nng import NngTransport, _fresh_address
 from amesh._transport._paths import ipc_dir
 from amesh._transport._tags import dial_part, tag_of
 
@@ -50,6 +50,12 @@ class PyStreamTransport(StreamTransport):
     accelerated = False
 
 
+class PynngTransport(ExtTransport):
+    """The NNG transport without the C extension: pynng's own I/O (the fallback)."""
+
+    accelerated = False
+
+
 class Impl:
     """One implementation under test, and a raw peer that speaks its wire protocol."""
 
@@ -61,7 +67,7 @@ class Impl:
         """An address nobody listens on (yet): a link to it fills up and stays full."""
         if self.stream:
             return wire.fresh_address("abstract")
-        return _fresh_address("abstract", "")
+        return _nng_pipes.fresh_address("abstract", "")
 
     @asynccontextmanager
     async def raw_sender(self, addr: str, proven: bool = True) -> AsyncIterator[RawPeer]:
@@ -165,7 +171,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 IMPLS = [
-    pytest.param(Impl(NngTransport, False), id="nng"),
+    pytest.param(Impl(PynngTransport, False), id="ext-pynng"),
     pytest.param(Impl(ExtTransport, False), id="ext"),
     pytest.param(Impl(StreamTransport, True), id="stream"),
     pytest.param(Impl(AnyioStreamTransport, True), id="stream-anyio"),
@@ -591,8 +597,8 @@ async def test_cancel_send(make: Factory) -> None:
 
 @pytest.mark.parametrize(
     ("sender", "receiver"),
-    [(NngTransport, ExtTransport), (ExtTransport, NngTransport)],
-    ids=["nng-to-ext", "ext-to-nng"],
+    [(PynngTransport, ExtTransport), (ExtTransport, PynngTransport)],
+    ids=["pynng-to-ext", "ext-to-pynng"],
 )
 async def test_implementations_interoperate(
     sender: Callable[[str], Transport], receiver: Callable[[str], Transport]
@@ -813,7 +819,7 @@ async def test_heartbeat_sender(kind: str) -> None:
     """The blocking sender the worker's heartbeat thread uses, for both kinds of
     address: it proves itself, sends, drops rather than block, and dials again. It
     blocks for its handshake, so it runs in a thread here as in a worker."""
-    t = NngTransport("abstract") if kind == "nng" else StreamTransport("abstract")
+    t = ExtTransport("abstract") if kind == "nng" else StreamTransport("abstract")
     inbox = Inbox()
     sender = heartbeat_sender(t.address, own="stream+abstract://beating")
 
