@@ -1024,7 +1024,7 @@ async def test_ext_copies_a_large_frame_off_the_event_loop() -> None:
 
 
 async def test_the_default_stream_transport_reads_frames_in_c() -> None:
-    from amesh._transport._stream_io import AioInbound
+    from amesh._transport._stream_aio import AioInbound
 
     a, b, inbox = StreamTransport("abstract"), StreamTransport("abstract"), Inbox()
     try:
@@ -1132,7 +1132,7 @@ class FakeTransport:
 
 
 def _writer_kinds() -> list[Any]:
-    from amesh._transport._stream_io import AioConn, _FastConn
+    from amesh._transport._stream_aio import AioConn, _FastConn
 
     return [pytest.param(AioConn, id="python"), pytest.param(_FastConn, id="c")]
 
@@ -1177,9 +1177,9 @@ class Writer:
             self.reader.get_buffer(-1)
             self.reader.buffer_updated(0)
         else:
-            from amesh._transport import _stream_io
+            from amesh._transport import _stream_aio
 
-            _stream_io._reads += 1
+            _stream_aio._reads += 1
 
     def send(self, frame: bytes) -> bool:
         """As StreamTransport.try_send: False if the connection broke."""
@@ -1330,7 +1330,8 @@ def test_frames_waiting_for_the_turns_end_never_reach_an_aborted_connection(kind
 def test_the_c_writer_leaves_what_it_cannot_take_untouched() -> None:
     """FrameWriter.send takes only a small bytes frame on an open, unpaused
     connection; anything else is the Python path's (0: nothing done)."""
-    from amesh._transport._stream_io import BATCH_FRAME, _FastConn
+    from amesh._transport._stream_aio import _FastConn
+    from amesh._transport._stream_io import BATCH_FRAME
 
     w = Writer(_FastConn)
     try:
@@ -1360,7 +1361,7 @@ def test_the_c_writer_leaves_what_it_cannot_take_untouched() -> None:
 def test_a_receive_through_nng_counts_as_a_read_for_the_c_writer() -> None:
     """What came in through NNG (another host's frames, say) lets the next frame go
     at once too: a Receiver's drain counts as a read."""
-    from amesh._transport._stream_io import _FastConn
+    from amesh._transport._stream_aio import _FastConn
 
     w = Writer(_FastConn)
     try:
@@ -1425,7 +1426,7 @@ def test_a_stopped_reader_lets_go_of_a_large_frames_memory_at_once(
 def test_a_lost_connections_c_writer_lets_go_of_everything() -> None:
     """Once its connection is lost, the C writer holds no batch memory and no
     reference back to itself: it goes with its last reference, collector or not."""
-    from amesh._transport._stream_io import _FastConn
+    from amesh._transport._stream_aio import _FastConn
 
     w = Writer(_FastConn)
     try:
@@ -1458,7 +1459,7 @@ def test_a_lost_inbound_connection_goes_with_its_last_reference(cls: Any) -> Non
     nothing refers to it, collector or not."""
     import asyncio
 
-    from amesh._transport._stream_io import AioInbound
+    from amesh._transport._stream_aio import AioInbound
 
     async def main() -> None:
         owner = cls("abstract")
