@@ -1,7 +1,8 @@
 """Declares the C extension ``amesh._ext``; everything else is in pyproject.toml.
 
 The extension links against nothing: it drives the NNG that pynng already loaded,
-through function addresses handed over at import (see ext/_amesh_ext.c).
+through function addresses handed over at import (see ext/nng.c). Its sources are a file
+per concern (SOURCES below), built into the one module.
 
 Build switches (environment variables):
     AMESH_EXT_DEBUG=1: ``-O0 -g``, assertions on, AddressSanitizer and UBSan. Run the
@@ -25,12 +26,16 @@ if os.environ.get("AMESH_EXT_DEBUG") == "1":
     extra_link_args += [sanitize]
     undef_macros += ["NDEBUG"]
 
+# One file per concern, built into the one module (ext/module.c says what each holds).
+SOURCES = ["module", "nng", "beat", "frame_reader", "frame_writer", "envelope", "bytes", "process"]
+
 ext_modules = []
 if sys.platform != "win32":  # POSIX threads and an eventfd or pipe
     ext_modules.append(
         Extension(
             "amesh._ext",
-            sources=["ext/_amesh_ext.c"],
+            sources=[f"ext/{name}.c" for name in SOURCES],
+            depends=["ext/amesh_ext.h"],
             extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,
             undef_macros=undef_macros,

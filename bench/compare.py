@@ -92,7 +92,6 @@ THIS = os.path.abspath(__file__)
 SYSTEMS = (
     "amesh",
     "amesh-ext",
-    "amesh-nng",
     "amesh-stream",
     "pynng",
     "uvloop",
@@ -102,11 +101,10 @@ SYSTEMS = (
 )
 #: amesh with one transport implementation forced (``AMESH_TRANSPORT_IMPL``); the one
 #: that is amesh's default is the ``amesh`` column and is not run twice.
-AMESH_IMPLS = {"amesh-ext": "ext", "amesh-nng": "nng", "amesh-stream": "stream"}
+AMESH_IMPLS = {"amesh-ext": "ext", "amesh-stream": "stream"}
 TITLES = {
     "amesh": "amesh",
     "amesh-ext": "amesh (NNG + C ext)",
-    "amesh-nng": "amesh (pure pynng)",
     "amesh-stream": "amesh (event-loop streams)",
     "pynng": "pynng Req/Rep",
     "uvloop": "uvloop floor",
@@ -118,7 +116,6 @@ TITLES = {
 MODULES = {
     "amesh": "amesh",
     "amesh-ext": "amesh",
-    "amesh-nng": "amesh",
     "amesh-stream": "amesh",
     "pynng": "pynng",
     "uvloop": "uvloop",
@@ -130,7 +127,6 @@ MODULES = {
 DISTS = {
     "amesh": "amesh",
     "amesh-ext": "amesh",
-    "amesh-nng": "amesh",
     "amesh-stream": "amesh",
     "pynng": "pynng",
     "uvloop": "uvloop",
@@ -1087,7 +1083,6 @@ class MonarchDriver(Driver):
 DRIVERS: dict[str, Callable[[], Driver]] = {
     "amesh": AmeshDriver,
     "amesh-ext": AmeshDriver,
-    "amesh-nng": AmeshDriver,
     "amesh-stream": AmeshDriver,
     "pynng": PynngDriver,
     "uvloop": FloorDriver,

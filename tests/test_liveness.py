@@ -29,7 +29,7 @@ from amesh import ProcMesh, SupervisionError, _wire
 from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
 from amesh._transport import _stream_wire as wire
-from amesh._transport._nng import NngTransport
+from amesh._transport._ext import ExtTransport
 from amesh._worker import NativeBeats
 
 from .liveness_actors import Busy
@@ -210,7 +210,7 @@ async def test_the_heartbeats_connect_again_after_a_break(kind: str, keeper: str
     stream) or the pipe goes (NNG), the keeper (a watchdog thread, or the event loop
     as in a worker) connects again, and the heartbeats go on, proven as the
     worker's."""
-    t = NngTransport("abstract") if kind == "nng" else StreamTransport("abstract")
+    t = ExtTransport("abstract") if kind == "nng" else StreamTransport("abstract")
     own = "stream+abstract://beating" if kind == "stream" else "abstract://beating"
     inbox = Inbox()
     beats = NativeBeats(t.address, own, PERIOD / 4, threading.get_native_id(), TIMEOUT)

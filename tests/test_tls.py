@@ -42,10 +42,9 @@ from amesh._transport import (
     open_transport,
 )
 from amesh._transport._ext import ExtTransport
-from amesh._transport._nng import NngTransport
 
 from . import test_transport as conformance
-from .test_transport import Impl, Inbox, Lost, RawPeer, make  # noqa: F401 (make: a fixture)
+from .test_transport import Impl, Inbox, Lost, PynngTransport, RawPeer, make  # noqa: F401 (make: a fixture)
 
 pytestmark = pytest.mark.anyio
 
@@ -68,7 +67,7 @@ class TlsImpl(Impl):
     """A transport class over ``tls+tcp``, and raw peers with the job's certificates.
 
     Args:
-        cls: ExtTransport or NngTransport.
+        cls: ExtTransport, or PynngTransport (its pynng I/O).
         material: the job's certificates, taken before a test adopts another key (a raw
             peer then still passes TLS, and its hello is what is refused).
     """
@@ -114,7 +113,7 @@ async def tls_receiver(
 
 TLS_IMPLS = [
     pytest.param(ExtTransport, id="ext-tls"),
-    pytest.param(NngTransport, id="nng-tls"),
+    pytest.param(PynngTransport, id="pynng-tls"),
 ]
 
 
@@ -146,8 +145,9 @@ async def made() -> AsyncIterator[list[Transport]]:
 
 
 async def test_addresses_and_interop(made: list[Transport]) -> None:
-    """A tls+tcp transport listens on a tls+tcp address; ext and nng talk both ways."""
-    e, n, inbox = ExtTransport("tls+tcp"), NngTransport("tls+tcp", host=LOOPBACK), Inbox()
+    """A tls+tcp transport listens on a tls+tcp address; its extension's I/O and
+    pynng's talk both ways."""
+    e, n, inbox = ExtTransport("tls+tcp"), PynngTransport("tls+tcp", host=LOOPBACK), Inbox()
     made += [e, n]
     for t in (e, n):
         assert t.address.startswith(f"tls+tcp://{LOOPBACK}:")
@@ -365,7 +365,7 @@ async def test_the_wire_is_encrypted(
 
 async def test_heartbeat_sender_over_tls(made: list[Transport]) -> None:
     """A worker's heartbeat thread dials a tls+tcp parent with the job's certificate."""
-    t, inbox = NngTransport("tls+tcp"), Inbox()
+    t, inbox = ExtTransport("tls+tcp"), Inbox()
     made.append(t)
     sender = heartbeat_sender(t.address, own="tls+tcp://127.0.0.1:1")
     try:
@@ -382,8 +382,9 @@ async def test_heartbeat_sender_over_tls(made: list[Transport]) -> None:
 
 
 def test_open_transport_takes_tls_to_nng(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the NNG transports speak TLS: tls+tcp picks one whatever the default (under
-    a HybridTransport, which adds streams within the host, unless one is named)."""
+    """Only the NNG transport speaks TLS: tls+tcp picks it whatever the default (under
+    a HybridTransport, which adds streams within the host, unless it is named: `ext`,
+    or `nng`, which once named the pure-pynng transport and now means the same)."""
     for impl in ("stream", "ext", "nng"):
         monkeypatch.setenv("AMESH_TRANSPORT_IMPL", impl)
         t = open_transport("tls+tcp")
@@ -391,7 +392,7 @@ def test_open_transport_takes_tls_to_nng(monkeypatch: pytest.MonkeyPatch) -> Non
         assert not isinstance(t, StreamTransport)
         assert t.address.startswith("tls+tcp://127.0.0.1:")
         assert isinstance(t, HybridTransport) == (impl == "stream")
-        assert isinstance(t, NngTransport) == (impl == "nng")
+        assert isinstance(t, ExtTransport) == (impl != "stream")
 
 
 # -- the certificates ----------------------------------------------------------------------
@@ -524,7 +525,7 @@ async def test_certificates_from_files(
         monkeypatch.setenv(var, path)
     got = _tls.material()
     assert (got.ca, got.cert, got.key) == (m.ca, m.cert, m.key)
-    a, b, inbox = ExtTransport("tls+tcp"), NngTransport("tls+tcp"), Inbox()
+    a, b, inbox = ExtTransport("tls+tcp"), PynngTransport("tls+tcp"), Inbox()
     made += [a, b]
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:

@@ -26,13 +26,13 @@ from amesh._transport import (
     Transport,
     TransportClosed,
     _auth,
+    _nng_pipes,
     heartbeat_sender,
     ipc_dir,
     open_transport,
 )
 from amesh._transport import _stream_wire as wire
 from amesh._transport._ext import ExtTransport
-from amesh._transport._nng import NngTransport, _fresh_address
 from amesh._transport._tags import dial_part, tag_of
 
 pytestmark = pytest.mark.anyio
@@ -50,6 +50,12 @@ class PyStreamTransport(StreamTransport):
     accelerated = False
 
 
+class PynngTransport(ExtTransport):
+    """The NNG transport without the C extension: pynng's own I/O (the fallback)."""
+
+    accelerated = False
+
+
 class Impl:
     """One implementation under test, and a raw peer that speaks its wire protocol."""
 
@@ -61,7 +67,7 @@ class Impl:
         """An address nobody listens on (yet): a link to it fills up and stays full."""
         if self.stream:
             return wire.fresh_address("abstract")
-        return _fresh_address("abstract", "")
+        return _nng_pipes.fresh_address("abstract", "")
 
     @asynccontextmanager
     async def raw_sender(self, addr: str, proven: bool = True) -> AsyncIterator[RawPeer]:
@@ -165,7 +171,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 IMPLS = [
-    pytest.param(Impl(NngTransport, False), id="nng"),
+    pytest.param(Impl(PynngTransport, False), id="ext-pynng"),
     pytest.param(Impl(ExtTransport, False), id="ext"),
     pytest.param(Impl(StreamTransport, True), id="stream"),
     pytest.param(Impl(AnyioStreamTransport, True), id="stream-anyio"),
@@ -591,8 +597,8 @@ async def test_cancel_send(make: Factory) -> None:
 
 @pytest.mark.parametrize(
     ("sender", "receiver"),
-    [(NngTransport, ExtTransport), (ExtTransport, NngTransport)],
-    ids=["nng-to-ext", "ext-to-nng"],
+    [(PynngTransport, ExtTransport), (ExtTransport, PynngTransport)],
+    ids=["pynng-to-ext", "ext-to-pynng"],
 )
 async def test_implementations_interoperate(
     sender: Callable[[str], Transport], receiver: Callable[[str], Transport]
@@ -813,7 +819,7 @@ async def test_heartbeat_sender(kind: str) -> None:
     """The blocking sender the worker's heartbeat thread uses, for both kinds of
     address: it proves itself, sends, drops rather than block, and dials again. It
     blocks for its handshake, so it runs in a thread here as in a worker."""
-    t = NngTransport("abstract") if kind == "nng" else StreamTransport("abstract")
+    t = ExtTransport("abstract") if kind == "nng" else StreamTransport("abstract")
     inbox = Inbox()
     sender = heartbeat_sender(t.address, own="stream+abstract://beating")
 
@@ -1018,7 +1024,7 @@ async def test_ext_copies_a_large_frame_off_the_event_loop() -> None:
 
 
 async def test_the_default_stream_transport_reads_frames_in_c() -> None:
-    from amesh._transport._stream_io import AioInbound
+    from amesh._transport._stream_aio import AioInbound
 
     a, b, inbox = StreamTransport("abstract"), StreamTransport("abstract"), Inbox()
     try:
@@ -1126,7 +1132,7 @@ class FakeTransport:
 
 
 def _writer_kinds() -> list[Any]:
-    from amesh._transport._stream_io import AioConn, _FastConn
+    from amesh._transport._stream_aio import AioConn, _FastConn
 
     return [pytest.param(AioConn, id="python"), pytest.param(_FastConn, id="c")]
 
@@ -1171,9 +1177,9 @@ class Writer:
             self.reader.get_buffer(-1)
             self.reader.buffer_updated(0)
         else:
-            from amesh._transport import _stream_io
+            from amesh._transport import _stream_aio
 
-            _stream_io._reads += 1
+            _stream_aio._reads += 1
 
     def send(self, frame: bytes) -> bool:
         """As StreamTransport.try_send: False if the connection broke."""
@@ -1324,7 +1330,8 @@ def test_frames_waiting_for_the_turns_end_never_reach_an_aborted_connection(kind
 def test_the_c_writer_leaves_what_it_cannot_take_untouched() -> None:
     """FrameWriter.send takes only a small bytes frame on an open, unpaused
     connection; anything else is the Python path's (0: nothing done)."""
-    from amesh._transport._stream_io import BATCH_FRAME, _FastConn
+    from amesh._transport._stream_aio import _FastConn
+    from amesh._transport._stream_io import BATCH_FRAME
 
     w = Writer(_FastConn)
     try:
@@ -1354,7 +1361,7 @@ def test_the_c_writer_leaves_what_it_cannot_take_untouched() -> None:
 def test_a_receive_through_nng_counts_as_a_read_for_the_c_writer() -> None:
     """What came in through NNG (another host's frames, say) lets the next frame go
     at once too: a Receiver's drain counts as a read."""
-    from amesh._transport._stream_io import _FastConn
+    from amesh._transport._stream_aio import _FastConn
 
     w = Writer(_FastConn)
     try:
@@ -1419,7 +1426,7 @@ def test_a_stopped_reader_lets_go_of_a_large_frames_memory_at_once(
 def test_a_lost_connections_c_writer_lets_go_of_everything() -> None:
     """Once its connection is lost, the C writer holds no batch memory and no
     reference back to itself: it goes with its last reference, collector or not."""
-    from amesh._transport._stream_io import _FastConn
+    from amesh._transport._stream_aio import _FastConn
 
     w = Writer(_FastConn)
     try:
@@ -1452,7 +1459,7 @@ def test_a_lost_inbound_connection_goes_with_its_last_reference(cls: Any) -> Non
     nothing refers to it, collector or not."""
     import asyncio
 
-    from amesh._transport._stream_io import AioInbound
+    from amesh._transport._stream_aio import AioInbound
 
     async def main() -> None:
         owner = cls("abstract")

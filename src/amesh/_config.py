@@ -133,8 +133,9 @@ class Settings:
     )
     transport_impl: str = _setting(
         "stream",
-        "What carries the frames: `stream` (event-loop sockets), `ext` (NNG through "
-        "the C extension) or `nng` (pure pynng).",
+        "What carries the frames: `stream` (event-loop sockets) or `ext` (NNG, through "
+        "the C extension where it is built); `nng` (once pure pynng) now means the same "
+        "NNG transport as `ext`.",
         choices=("stream", "ext", "nng"),
     )
     fanout: int = _setting(

@@ -1,4 +1,4 @@
-"""Type stubs for the C extension ``amesh._ext`` (ext/_amesh_ext.c); written by hand."""
+"""Type stubs for the C extension ``amesh._ext`` (ext/, a file per concern); written by hand."""
 
 from collections.abc import Callable, Iterable
 from typing import Any, Final, final

@@ -10,9 +10,9 @@ speaks NNG over ``tls+tcp`` to other hosts and event-loop streams within its hos
 one ``tls+tcp://`` address. ``stream+tcp`` is the plain opt-out (still authenticated by
 the job key).
 
-The NNG transports (:mod:`._nng`, :mod:`._ext`) are imported only when one is chosen
-or an NNG address is dialled: with the default stream transport, pynng is never
-imported.
+The NNG transport (:mod:`._ext`) and the NNG heartbeat sender (:mod:`._nng`) are
+imported only when NNG is chosen or an NNG address is dialled: with the default stream
+transport, pynng is never imported.
 
 This is the package's front door: other packages import only what is exported here.
 The main entry points are :func:`open_transport` (a process's :class:`Transport`),
@@ -20,7 +20,7 @@ The main entry points are :func:`open_transport` (a process's :class:`Transport`
 frames (:func:`is_stream_address`, :data:`STREAM_HEADER`), and, loaded on first use
 because they import pynng and ``cryptography`` (a module ``__getattr__``),
 :class:`NngBeat` and the TLS material of the job (:func:`prepare_tls`,
-:func:`tls_material`); :func:`load_nng` loads the NNG transports ahead of use.
+:func:`tls_material`); :func:`load_nng` loads the NNG transport ahead of use.
 """
 
 from __future__ import annotations
@@ -97,19 +97,17 @@ __all__ = [
     "tls_material",
 ]
 
-_IMPLS = ("ext", "nng", "stream")
-
 
 def default_impl() -> str:
     """``AMESH_TRANSPORT_IMPL``: ``stream`` (the default: length-prefixed frames over
-    sockets driven by the event loop), ``ext`` (NNG through the C extension) or ``nng``
-    (pure pynng).
+    sockets driven by the event loop) or ``ext`` (NNG through the C extension; ``nng``,
+    once pure pynng, is now the same transport).
 
     Measured on a 2-CPU box, a round trip costs ~45-85 µs over ``stream`` and
     ~190-300 µs over ``ext``: NNG does its socket I/O on its own threads, and the hops
     and wake-ups between those threads and the event loop are most of that gap.
 
-    With ``ext`` or ``nng`` every link is NNG's: ``tcp`` then is NNG over ``tls+tcp``
+    With ``ext`` (or ``nng``) every link is NNG's: ``tcp`` then is NNG over ``tls+tcp``
     alone, within a host too.
     """
     return settings().transport_impl
@@ -133,7 +131,7 @@ def open_transport(
         host: the interface for the tcp schemes; loopback unless you mean otherwise.
         reach: an address the transport must be able to send to (a worker's parent):
             its kind decides between :class:`StreamTransport`, TLS (as for ``tcp``)
-            and the NNG transports, whatever ``scheme`` and :func:`default_impl` say;
+            and the NNG transport, whatever ``scheme`` and :func:`default_impl` say;
             ``None`` leaves it to them.
     """
     impl = default_impl()
@@ -143,7 +141,7 @@ def open_transport(
         if reach.startswith(TLS_PREFIX):
             return _open_tls(impl, host)
         if impl == "stream":
-            impl = _nng_impl()
+            impl = "ext"
     elif is_stream_address(scheme):
         return HostStreams(scheme.removeprefix("stream+"), host=host)
     elif scheme in ("tcp", "tls+tcp"):
@@ -151,33 +149,20 @@ def open_transport(
     scheme = scheme.removeprefix("stream+")
     if impl == "stream":
         return HostStreams(scheme, host=host)
-    return _open_nng(impl, scheme, host)
+    return _open_nng(scheme, host)
 
 
 def _open_tls(impl: str, host: str) -> Transport:
-    """TLS between hosts: a :class:`HybridTransport`, or only the NNG transport that
-    ``impl`` names."""
+    """TLS between hosts: a :class:`HybridTransport`, or the NNG transport alone."""
     if impl == "stream":
         return HybridTransport(host)
-    return _open_nng(impl, "tls+tcp", host)
+    return _open_nng("tls+tcp", host)
 
 
-def _open_nng(impl: str, scheme: str, host: str) -> Transport:
-    if impl == "ext":
-        from ._ext import ExtTransport
+def _open_nng(scheme: str, host: str) -> Transport:
+    from ._ext import ExtTransport
 
-        return ExtTransport(scheme, host=host)
-    from ._nng import NngTransport
-
-    return NngTransport(scheme, host=host)
-
-
-def _nng_impl() -> str:
-    try:
-        load_nng()
-    except ImportError:
-        return "nng"
-    return "ext"
+    return ExtTransport(scheme, host=host)
 
 
 def load_nng() -> None:

@@ -37,7 +37,7 @@ says how many were shut down and why.
 
 A stream listener (an agent's ``stream+tcp://``) accepts its connections itself, so
 it applies the same limits at each accept, exactly (:class:`Admission`), and the
-deadline with each connection's own timer (see :mod:`._stream_io`).
+deadline with each connection's own timer (see :mod:`._stream_aio` and :mod:`._stream_anyio`).
 """
 
 from __future__ import annotations

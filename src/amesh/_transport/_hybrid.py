@@ -128,21 +128,15 @@ def open_tls(
     tag: str = "",
     guard: Limits | None = None,
 ) -> Transport:
-    """An NNG transport on ``tls+tcp://HOST:PORT``, tagged when the kernel picks the
-    port or ``tag`` is given (see :mod:`._tags`): the C extension's, else pynng's;
-    its listener guarded by ``guard`` (see :mod:`._guard`) when given.
+    """The NNG transport on ``tls+tcp://HOST:PORT``, tagged when the kernel picks the
+    port or ``tag`` is given (see :mod:`._tags`); its listener guarded by ``guard``
+    (see :mod:`._guard`) when given.
 
     Raises:
         ImportError: pynng is not installed.
     """
-    try:
-        from ._ext import ExtTransport
-    except ImportError:
-        from ._nng import NngTransport
+    from ._ext import ExtTransport
 
-        return NngTransport(
-            "tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag, guard=guard
-        )
     return ExtTransport("tls+tcp", host=host, port=port, max_frame=max_frame, tag=tag, guard=guard)
 
 

@@ -1,7 +1,7 @@
 """NNG sockets that know who is at the other end: the inbox that admits a pipe only
 once it has proven itself, and the link that proves itself and tells when it broke.
 
-Shared by the pure-pynng and the extension transports. NNG connects, reconnects and
+The NNG transport's (:mod:`._ext`) and its heartbeat sender's. NNG connects, reconnects and
 frames on its own threads and has no handshake of ours, so (see :mod:`._auth`):
 
 - A link's first message is a hello, sent before it dials: the first message of its

@@ -75,16 +75,9 @@ from ._base import Deliver, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._guard import Admission, Limits
 from ._paths import ensure_ipc_dir
-from ._stream_io import (
-    BATCH_FRAME,
-    HIGH_WATER,
-    AioInbound,
-    AioLink,
-    AnyioInbound,
-    AnyioLink,
-    notify_closing_quietly,
-    spawn_system_task,
-)
+from ._stream_aio import AioInbound, AioLink
+from ._stream_anyio import AnyioInbound, AnyioLink
+from ._stream_io import BATCH_FRAME, HIGH_WATER, notify_closing_quietly, spawn_system_task
 from ._stream_wire import (
     HEADER,
     HLEN,
