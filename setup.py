@@ -1,4 +1,4 @@
-"""Declares the C extension ``amesh._ext``; everything else is in pyproject.toml.
+"""Declares the C extension ``amesh._native._ext``; everything else is in pyproject.toml.
 
 The extension links against nothing: it drives the NNG that pynng already loaded,
 through function addresses handed over at import (see ext/nng.c). Its sources are a file
@@ -33,7 +33,7 @@ ext_modules = []
 if sys.platform != "win32":  # POSIX threads and an eventfd or pipe
     ext_modules.append(
         Extension(
-            "amesh._ext",
+            "amesh._native._ext",
             sources=[f"ext/{name}.c" for name in SOURCES],
             depends=["ext/amesh_ext.h"],
             extra_compile_args=extra_compile_args,

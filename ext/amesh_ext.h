@@ -1,5 +1,5 @@
 /*
- * What the files of amesh._ext share: the NNG declarations, the module state, and
+ * What the files of amesh._native._ext share: the NNG declarations, the module state, and
  * the few functions and counters one concern's file uses from another's. Private to
  * ext/: every name declared here is AMESH_INTERNAL, so that the module exports only
  * PyInit__ext and its files cannot clash with another library's symbols.

@@ -1,5 +1,5 @@
 /*
- * amesh._ext's heartbeat thread. Beat: a thread of its own that writes a worker's
+ * amesh._native._ext's heartbeat thread. Beat: a thread of its own that writes a worker's
  * heartbeat every period to a connected stream socket (or an NNG socket) and never
  * takes the GIL, so that a main thread holding the GIL for long (one long C call) is
  * not declared dead. It withholds the beats once the main thread has been in
@@ -504,7 +504,7 @@ static PyType_Slot Beat_slots[] = {
 };
 
 static PyType_Spec Beat_spec = {
-    .name = "amesh._ext.Beat",
+    .name = "amesh._native._ext.Beat",
     .basicsize = sizeof(Beat),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Beat_slots,

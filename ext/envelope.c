@@ -1,5 +1,5 @@
 /*
- * amesh._ext's envelope codec: EnvelopeDecoder and EnvelopeEncoder, a frame's
+ * amesh._native._ext's envelope codec: EnvelopeDecoder and EnvelopeEncoder, a frame's
  * preamble, envelope (through msgspec), checks and out-of-band buffers in one call
  * each way, for every transport (amesh._wire.try_decode and encode_envelope); a frame
  * they do not take is left to the Python decoder, which says what is wrong with it.
@@ -112,7 +112,7 @@ static PyMemberDef Codec_members[] = {
         {0, NULL},                                                                     \
     };                                                                                 \
     static PyType_Spec NAME##_spec = {                                                 \
-        .name = "amesh._ext." #NAME,                                                   \
+        .name = "amesh._native._ext." #NAME,                                                   \
         .basicsize = sizeof(Codec),                                                    \
         .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, \
         .slots = NAME##_slots,                                                         \

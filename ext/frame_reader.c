@@ -1,5 +1,5 @@
 /*
- * amesh._ext's stream reading (the default transport within a host): cut_frames(),
+ * amesh._native._ext's stream reading (the default transport within a host): cut_frames(),
  * which the Python reader (amesh._transport._stream_wire) uses to cut the whole
  * frames out of what a read brought in one call, and FrameReader, that whole reader,
  * so that the event loop's read callbacks on a proven inbound connection run no
@@ -432,7 +432,7 @@ static PyType_Slot FrameReader_slots[] = {
 };
 
 static PyType_Spec FrameReader_spec = {
-    .name = "amesh._ext.FrameReader",
+    .name = "amesh._native._ext.FrameReader",
     .basicsize = sizeof(FrameReader),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .slots = FrameReader_slots,

@@ -1,5 +1,5 @@
 /*
- * amesh._ext's stream writing: FrameWriter, the write side of an outbound stream
+ * amesh._native._ext's stream writing: FrameWriter, the write side of an outbound stream
  * connection on asyncio, for small frames: each written at once (one writev with its
  * length), or batched to the end of the loop's turn, with no Python code of ours in
  * between.
@@ -384,7 +384,7 @@ static PyType_Slot FrameWriter_slots[] = {
 };
 
 static PyType_Spec FrameWriter_spec = {
-    .name = "amesh._ext.FrameWriter",
+    .name = "amesh._native._ext.FrameWriter",
     .basicsize = sizeof(FrameWriter),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .slots = FrameWriter_slots,

@@ -1,5 +1,5 @@
 /*
- * amesh._ext: amesh's C extension, one module built from a file per concern.
+ * amesh._native._ext: amesh's C extension, one module built from a file per concern.
  *
  * - nng.c: a thin companion to pynng for amesh's NNG transport (Receiver, Message,
  *   send(), bind(), finalize()), driving the NNG that pynng loaded through function
@@ -91,7 +91,7 @@ static PyModuleDef_Slot ext_slots[] = {
 /* Each file adds its own functions (amesh_exec_*), next to their code. */
 static struct PyModuleDef ext_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "amesh._ext",
+    .m_name = "amesh._native._ext",
     .m_doc = "Receive completion queue and non-blocking sends over pynng's NNG; "
              "heartbeats from a thread without the GIL.",
     .m_size = sizeof(ext_state),

@@ -1,5 +1,5 @@
 /*
- * amesh._ext's NNG bridge: a thin companion to pynng for amesh's NNG transport.
+ * amesh._native._ext's NNG bridge: a thin companion to pynng for amesh's NNG transport.
  *
  * pynng already loads NNG (statically linked into its cffi module). This module
  * links against nothing: it declares the few NNG types and prototypes it needs
@@ -60,11 +60,11 @@ int
 amesh_require_bound(ext_state *st)
 {
     if (!st->bound) {
-        PyErr_SetString(PyExc_RuntimeError, "amesh._ext: call bind() first");
+        PyErr_SetString(PyExc_RuntimeError, "amesh._native._ext: call bind() first");
         return -1;
     }
     if (st->finalized) {
-        PyErr_SetString(PyExc_RuntimeError, "amesh._ext: NNG was finalized");
+        PyErr_SetString(PyExc_RuntimeError, "amesh._native._ext: NNG was finalized");
         return -1;
     }
     return 0;
@@ -215,7 +215,7 @@ static PyType_Slot Message_slots[] = {
 };
 
 static PyType_Spec Message_spec = {
-    .name = "amesh._ext.Message",
+    .name = "amesh._native._ext.Message",
     .basicsize = sizeof(Message),
     /* Made only by Receiver.drain(). */
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
@@ -556,7 +556,7 @@ static PyType_Slot Receiver_slots[] = {
 };
 
 static PyType_Spec Receiver_spec = {
-    .name = "amesh._ext.Receiver",
+    .name = "amesh._native._ext.Receiver",
     .basicsize = sizeof(Receiver),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Receiver_slots,
@@ -727,7 +727,7 @@ int
 amesh_exec_nng(PyObject *module, ext_state *st)
 {
     st->NngError = PyErr_NewExceptionWithDoc(
-        "amesh._ext.NngError", "An NNG error: args are (errno, strerror).", PyExc_OSError, NULL);
+        "amesh._native._ext.NngError", "An NNG error: args are (errno, strerror).", PyExc_OSError, NULL);
     if (st->NngError == NULL || PyModule_AddObjectRef(module, "NngError", st->NngError) < 0) {
         return -1;
     }

@@ -1,5 +1,5 @@
 /*
- * amesh._ext's process helpers, for a worker and its zygote, without ctypes (which
+ * amesh._native._ext's process helpers, for a worker and its zygote, without ctypes (which
  * costs a freshly forked process page copies and time): exit_when_closed(), a
  * worker's watch of the pipe its parent holds, as a bare thread that ends the process
  * when the pipe closes; set_parent_death_signal(), the kernel's half of that watch;

@@ -40,7 +40,7 @@ fi
 .venv-newer/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv-newer/bin/python -m pip install -q --disable-pip-version-check -e '.[test-core]'
 .venv-newer/bin/python -m compileall -q src/amesh
-.venv-newer/bin/python -c 'import amesh._ext as e, sys; sys.exit(not e.CAN_IMMORTALIZE)'
+.venv-newer/bin/python -c 'import amesh._native._ext as e, sys; sys.exit(not e.CAN_IMMORTALIZE)'
 # (test_agent.py: a host agent's zygote, which settles again after the TLS stack; its
 # two tests that train with torch run in the main suite only)
 .venv-newer/bin/python -m pytest tests/test_spawn.py tests/test_lifecycle.py \

@@ -44,7 +44,7 @@ class Busy(Actor):
     @endpoint
     def hang_in_kernel(self, seconds: float) -> None:
         """Sleep uninterruptibly in the kernel (state D) on the event loop's thread."""
-        from amesh import _ext
+        from amesh._native import _ext
 
         _ext._wait_uninterruptibly(seconds)
 

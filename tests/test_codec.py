@@ -188,7 +188,7 @@ def test_spare_bytes_are_bounded_and_let_go_oldest_first(monkeypatch: pytest.Mon
 
 
 def test_pread_and_copy_bytes_refill_only_an_unshared_object_of_its_size(tmp_path: Path) -> None:
-    from amesh import _ext
+    from amesh._native import _ext
 
     path = tmp_path / "data"
     path.write_bytes(b"abcdefgh")

@@ -64,10 +64,10 @@ async def test_a_worker_ends_its_threads_then_its_atexit_handlers(tmp_path: Path
 
 
 def test_a_worker_watch_ends_the_process_when_its_pipe_closes() -> None:
-    # amesh._ext.exit_when_closed: how a worker dies with the pipe its parent holds
+    # amesh._native._ext.exit_when_closed: how a worker dies with the pipe its parent holds
     r, w = os.pipe()
     code = (
-        "import sys, threading; from amesh import _ext; "
+        "import sys, threading; from amesh._native import _ext; "
         "_ext.exit_when_closed(int(sys.argv[1])); print('watching', flush=True); "
         "threading.Event().wait()"
     )
@@ -93,11 +93,11 @@ def test_a_worker_watch_ends_the_process_when_its_pipe_closes() -> None:
 
 
 def test_a_worker_dies_with_the_thread_that_forked_it() -> None:
-    # amesh._ext.set_parent_death_signal: the kernel's half of a worker's watch of its
+    # amesh._native._ext.set_parent_death_signal: the kernel's half of a worker's watch of its
     # parent (prctl PR_SET_PDEATHSIG, without ctypes). A middle process starts a child
     # that asks for SIGKILL at its parent's death, then exits when its stdin closes.
     child = (
-        "import signal, threading; from amesh import _ext; "
+        "import signal, threading; from amesh._native import _ext; "
         "_ext.set_parent_death_signal(signal.SIGKILL); print('set', flush=True); "
         "threading.Event().wait()"
     )
@@ -126,7 +126,7 @@ def test_a_worker_dies_with_the_thread_that_forked_it() -> None:
         if pid and not wait_pid_gone(pid, 0):
             os.kill(pid, signal.SIGKILL)
     with pytest.raises(ValueError, match="not a signal number"):
-        from amesh import _ext
+        from amesh._native import _ext
 
         _ext.set_parent_death_signal(-1)
 

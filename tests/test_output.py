@@ -206,10 +206,10 @@ async def test_c_stdout_is_line_buffered_and_flushed_at_exit(
 @pytest.mark.parametrize("ext", ["c", "ctypes"])
 def test_c_stdout_is_line_buffered_with_or_without_the_extension(ext: str) -> None:
     # What a worker's capture does to C's stdout, in a process of its own that starts
-    # unbuffered (PYTHONUNBUFFERED), through amesh._ext or, hidden, through ctypes.
+    # unbuffered (PYTHONUNBUFFERED), through amesh._native._ext or, hidden, through ctypes.
     code = (
         "import ctypes, sys\n"
-        + ("sys.modules['amesh._ext'] = None\n" if ext == "ctypes" else "")
+        + ("sys.modules['amesh._native._ext'] = None\n" if ext == "ctypes" else "")
         + "from amesh._runtime import _capture\n"
         "_capture._line_buffer_c_stdout()\n"
         "libc = ctypes.CDLL(None)\n"

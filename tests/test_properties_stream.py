@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from amesh import _ext
+from amesh._native import _ext
 from amesh._transport._stream_wire import (
     CHUNK,
     HEADER,

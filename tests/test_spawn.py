@@ -507,7 +507,7 @@ async def test_the_zygote_makes_what_it_loaded_immortal_where_python_can(
     zygote's objects write no reference counts (so no copies of their pages); on 3.11,
     or with it off, they stay as they were. Either way the workers are the zygote's:
     a zygote that failed to start would leave them exec'd, which this would hide."""
-    from amesh import _ext
+    from amesh._native import _ext
 
     monkeypatch.setenv("AMESH_ZYGOTE_IMMORTAL", immortal)
     with anyio.fail_after(60):
@@ -533,7 +533,7 @@ def test_immortalize_makes_objects_and_what_only_they_hold_immortal() -> None:
     interpreter cannot (3.11). And each listed type gets its version tag."""
     import _testcapi  # type: ignore[import-not-found]
 
-    from amesh import _ext
+    from amesh._native import _ext
 
     class Thing:
         pass

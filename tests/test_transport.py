@@ -19,7 +19,8 @@ import anyio
 import pynng
 import pytest
 
-from amesh import _ext, _identity, _wire
+from amesh import _identity, _wire
+from amesh._native import _ext
 from amesh._transport import (
     Frame,
     StreamTransport,

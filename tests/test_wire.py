@@ -219,7 +219,7 @@ def _same(got: tuple[_wire.Envelope, list[Any]] | None) -> Any:
 
 
 def test_the_c_codec_is_in_use() -> None:
-    from amesh import _ext
+    from amesh._native import _ext
 
     assert isinstance(_wire.try_decode, _ext.EnvelopeDecoder)
     assert isinstance(_wire.encode_envelope, _ext.EnvelopeEncoder)
@@ -252,7 +252,7 @@ def test_the_c_encoder_makes_the_python_ones_frames() -> None:
 def test_the_c_decoder_refuses_to_leave_the_frame_s_memory_behind() -> None:
     """A decode function that keeps the view it was given gets it released, and the
     caller an error, so nothing reads the frame after it is gone."""
-    from amesh import _ext
+    from amesh._native import _ext
 
     kept: list[memoryview] = []
 

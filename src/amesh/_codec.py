@@ -132,7 +132,7 @@ MAPS_BYTES = 256 << 20
 #: them, SPARE_BYTES in all per process, the oldest let go first) and filled again for
 #: a later one of the same size once nothing else references it: a new object's
 #: pages are fresh, and faulting them in cost 3 times the copy itself (47 against 14
-#: ms for 64 MiB on the VM of bench/README.md). See :func:`amesh._ext.pread_bytes`.
+#: ms for 64 MiB on the VM of bench/README.md). See :func:`amesh._native._ext.pread_bytes`.
 SPARE_MIN = 1 << 20
 SPARE_MAX = 128 << 20
 SPARE_OBJECTS = 4
@@ -1187,7 +1187,7 @@ def _map_kept(fd: int, key: tuple[int, int], size: int) -> mmap.mmap:
 def _refilled(
     fill: Callable[[Any, int, list[bytes]], tuple[bytes, bool]], source: Any, size: int
 ) -> bytes:
-    """``fill(source, size, _spare)`` (:func:`amesh._ext.pread_bytes` or ``copy_bytes``):
+    """``fill(source, size, _spare)`` (:func:`amesh._native._ext.pread_bytes` or ``copy_bytes``):
     the bytes, in a spare object when one is free, else in a new one kept as a spare
     from now on (see :data:`SPARE_MIN`), the oldest spares let go."""
     data, reused = fill(source, size, _spare)
@@ -1202,7 +1202,7 @@ def _refilled(
 
 def _c_ext() -> types.ModuleType | None:
     try:
-        from . import _ext
+        from ._native import _ext
     except ImportError:  # not built: a new bytes object for each, read from the file
         return None
     return _ext

@@ -649,7 +649,7 @@ def _c_codec() -> tuple[
     Callable[[Envelope], bytes],
 ]:
     try:
-        from ._ext import EnvelopeDecoder, EnvelopeEncoder
+        from ._native._ext import EnvelopeDecoder, EnvelopeEncoder
     except ImportError:  # the C extension is not built: the same in Python
         return _try_decode, _encode_envelope
     preamble = _HEADER[: len(MAGIC) + 1]
@@ -659,7 +659,7 @@ def _c_codec() -> tuple[
     )
 
 
-#: The hot path, in C where the extension is built (``amesh._ext.EnvelopeDecoder`` and
+#: The hot path, in C where the extension is built (``amesh._native._ext.EnvelopeDecoder`` and
 #: ``EnvelopeEncoder``: one call for the header, the envelope, its checks and its
 #: buffers), else in Python. ``try_decode(frame)``: ``(envelope, buffers)`` of a
 #: well-formed frame, or None (then :func:`decode` says what is wrong).

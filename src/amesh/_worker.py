@@ -16,7 +16,7 @@ it connects to (see :mod:`amesh._transport._auth`).
 
 The worker sends its parent a heartbeat every ``heartbeat_period``; the parent's
 supervisor kills a worker that was silent for ``heartbeat_timeout``. A thread of the C
-extension writes them (:class:`amesh._ext.Beat`), which never takes the GIL: Python
+extension writes them (:class:`amesh._native._ext.Beat`), which never takes the GIL: Python
 only connects (and proves itself on) the heartbeat connection and hands the socket
 over, and the event loop connects again when the C thread finds it broken or the
 parent ends it (rare, so that a loop busy in a handler puts that off does not matter;
@@ -77,7 +77,7 @@ from ._transport import (
 )
 
 if TYPE_CHECKING:
-    from ._ext import Beat
+    from ._native._ext import Beat
     from ._transport import NngBeat
 
 _PR_SET_PDEATHSIG = 1
@@ -87,7 +87,7 @@ log = logging.getLogger("amesh.worker")
 
 def _die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     try:
-        from . import _ext
+        from ._native import _ext
     except ImportError:  # not built: ctypes and a Python thread do it
         _ext = None  # type: ignore[assignment]
     # The kernel's parent-death signal fires when the *thread* that forked us exits,
@@ -122,7 +122,7 @@ def _heartbeat_frame(addr: str) -> bytes:
 
 
 class NativeBeats:
-    """Heartbeats written by :class:`amesh._ext.Beat`, a thread that never takes the
+    """Heartbeats written by :class:`amesh._native._ext.Beat`, a thread that never takes the
     GIL; this object only makes the connection it writes to, and makes it again when
     the thread finds it broken or its listener ends it (:meth:`renew`, from a thread of
     its own, :meth:`watch`, or from the event loop, :meth:`keep`).
@@ -140,7 +140,7 @@ class NativeBeats:
     def __init__(
         self, parent: str, own: str, period: float, watch_tid: int, hung_after: float
     ) -> None:
-        from . import _ext
+        from ._native import _ext
 
         frame = _heartbeat_frame(own)
         stream = is_stream_address(parent)

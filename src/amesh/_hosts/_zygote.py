@@ -84,7 +84,7 @@ import anyio
 import msgspec
 
 try:
-    from .. import _ext
+    from .._native import _ext
 except ImportError:  # not built (not Linux): no zygote runs anyway
     _ext = None  # type: ignore[assignment]
 from .. import _codec
@@ -1001,7 +1001,7 @@ def _settle() -> None:
     collector off it (``gc.freeze``: the children share these pages until they write
     them), and where the interpreter can (CPython 3.12 and 3.13, ``AMESH_ZYGOTE_IMMORTAL``
     on), make it immortal, so that a child's references to it write nothing either
-    (PEP 683; :func:`amesh._ext.immortalize`). A worker's page faults from its start to
+    (PEP 683; :func:`amesh._native._ext.immortalize`). A worker's page faults from its start to
     its first answer, on 3.13 (256 workers): ~1,485 -> ~955; PSS 5.6 -> 3.5 MiB (3.11:
     ~1,650 and 6.3 MiB). Objects made immortal are never freed: what the zygote drops
     later (an environment it replaces) stays, a few kB."""

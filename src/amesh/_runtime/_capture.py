@@ -588,7 +588,7 @@ def _line_buffer_c_stdout() -> None:
     if sys.platform != "linux":
         return
     try:
-        from .._ext import line_buffer_stdout
+        from .._native._ext import line_buffer_stdout
     except ImportError:  # not built: through ctypes
         pass
     else:
@@ -611,7 +611,7 @@ def _flush_c_stdio() -> None:
     if sys.platform != "linux":
         return
     try:
-        from .._ext import flush_stdio
+        from .._native._ext import flush_stdio
     except ImportError:  # not built: through ctypes
         pass
     else:

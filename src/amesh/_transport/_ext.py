@@ -1,5 +1,5 @@
 """The NNG transport: one Pull0 inbox, one Push0 per peer, pynng's sockets, and the
-``amesh._ext`` C extension on the hot path.
+``amesh._native._ext`` C extension on the hot path.
 
 The extension drives the same NNG that pynng loaded:
 
@@ -52,7 +52,7 @@ from ._guard import Limits
 from ._nng_pipes import Inbox, NngLink, notify_closing
 
 try:
-    from .. import _ext
+    from .._native import _ext
 except ImportError:  # not built: pynng's own I/O (see above)
     _ext = None  # type: ignore[assignment]
 

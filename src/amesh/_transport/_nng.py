@@ -64,7 +64,7 @@ class NngBeat:
 
     def socket_id(self) -> int:
         """The NNG id of the socket to send on, a new one if :attr:`stale` (for a
-        sender outside Python, such as :class:`amesh._ext.Beat`: close that sender
+        sender outside Python, such as :class:`amesh._native._ext.Beat`: close that sender
         before calling this again, since it closes the socket it replaces)."""
         return int(self._current().socket.id)
 

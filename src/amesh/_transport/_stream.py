@@ -176,7 +176,7 @@ class StreamTransport:
 
     #: On asyncio, do the I/O with the loop's protocols (else as on trio).
     fast_asyncio: ClassVar[bool] = True
-    #: Cut inbound frames with the C extension (``amesh._ext.cut_frames``) where it
+    #: Cut inbound frames with the C extension (``amesh._native._ext.cut_frames``) where it
     #: is built; False: always the pure-Python fallback (both pass the same tests).
     accelerated: ClassVar[bool] = True
     #: On asyncio, batch a link's small frames per turn of the event loop (the turn's

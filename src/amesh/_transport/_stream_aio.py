@@ -47,7 +47,7 @@ def _frames_protocol() -> type[Any] | None:
     code of ours runs until a frame is whole; the connection's loss goes to the
     :class:`AioInbound` it took over from."""
     try:
-        from .._ext import FrameReader
+        from .._native._ext import FrameReader
     except ImportError:
         return None
 
@@ -64,7 +64,7 @@ def _frames_protocol() -> type[Any] | None:
 _InboundFrames = _frames_protocol()
 
 #: How many reads the Python reader took in this process (the C reader counts its own
-#: for :class:`~amesh._ext.FrameWriter`): see :meth:`AioConn.write`.
+#: for :class:`~amesh._native._ext.FrameWriter`): see :meth:`AioConn.write`.
 _reads = 0
 
 
@@ -340,11 +340,11 @@ class AioConn(asyncio.Protocol):
 def _fast_conn() -> type[AioConn] | None:
     """:class:`AioConn` whose small frames the C extension writes (None where it is
     not built): :meth:`StreamTransport.try_send` hands a frame straight to its
-    :meth:`~amesh._ext.FrameWriter.send`, which writes it or batches it as
+    :meth:`~amesh._native._ext.FrameWriter.send`, which writes it or batches it as
     :meth:`AioConn.write` would, with no Python code of ours in between. A frame it
     does not take (a large one, one in parts) goes by :meth:`write`."""
     try:
-        from .._ext import FrameWriter
+        from .._native._ext import FrameWriter
     except ImportError:
         return None
 

@@ -19,7 +19,7 @@ from ._paths import ipc_dir
 from ._tags import dial_part
 
 if TYPE_CHECKING:
-    from .._ext import FrameReader
+    from .._native._ext import FrameReader
 
 __all__ = [
     "AnyReader",
@@ -274,7 +274,7 @@ AnyReader = Union[Reader, "FrameReader"]
 
 
 def cut_frames_py(buf: bytearray, start: int, end: int, limit: int) -> tuple[list[bytes], int, int]:
-    """:func:`amesh._ext.cut_frames` in Python: the whole frames of ``buf[start:end]``,
+    """:func:`amesh._native._ext.cut_frames` in Python: the whole frames of ``buf[start:end]``,
     where the rest starts, and the length the next frame announces (-1: fewer than
     :data:`HLEN` bytes left). Stops at a frame above ``limit`` bytes."""
     frames: list[bytes] = []
@@ -291,7 +291,7 @@ def cut_frames_py(buf: bytearray, start: int, end: int, limit: int) -> tuple[lis
 
 def _c_cutter() -> Callable[[bytearray, int, int, int], tuple[list[bytes], int, int]] | None:
     try:
-        from .. import _ext
+        from .._native import _ext
     except ImportError:  # not built (an sdist without a compiler): the Python path
         return None
     return _ext.cut_frames
@@ -303,9 +303,9 @@ CUT_FRAMES = _c_cutter() or cut_frames_py
 
 
 def c_reader(max_frame: int, emit: Callable[[Buf], None]) -> AnyReader | None:
-    """:class:`Reader` in C (``amesh._ext.FrameReader``), None where it is not built."""
+    """:class:`Reader` in C (``amesh._native._ext.FrameReader``), None where it is not built."""
     try:
-        from .._ext import FrameReader
+        from .._native._ext import FrameReader
     except ImportError:
         return None
     return FrameReader(max_frame, emit, _frame_memory, BadStream)
@@ -374,7 +374,7 @@ class StreamBeat:
     def connect_fd(self) -> int:
         """Connect and prove (as :meth:`send` would), then give the connection away:
         its file descriptor, which the caller now owns (for a sender outside Python,
-        such as :class:`amesh._ext.Beat`).
+        such as :class:`amesh._native._ext.Beat`).
 
         Raises:
             OSError: cannot connect.
