@@ -337,7 +337,7 @@ def test_a_controller_prints_its_traceback_without_amesh_frames(
     local = err[err.index("The above exception was the direct cause") :]
     assert f'  File "{script}", line ' in local
     if debug:
-        assert f'  File "{AMESH_DIR}/_endpoint.py", line ' in local, err
+        assert f'  File "{AMESH_DIR}/_model/_endpoint.py", line ' in local, err
     else:
         assert AMESH_DIR not in err, err
         for library in ("anyio", "asyncio", "trio", "uvloop", "concurrent/futures"):
