@@ -1,6 +1,6 @@
 /*
  * amesh._native._ext's stream reading (the default transport within a host): cut_frames(),
- * which the Python reader (amesh._transport._stream_wire) uses to cut the whole
+ * which the Python reader (amesh._transport._stream_framing) uses to cut the whole
  * frames out of what a read brought in one call, and FrameReader, that whole reader,
  * so that the event loop's read callbacks on a proven inbound connection run no
  * Python code until a frame is handed over.
@@ -83,7 +83,7 @@ done:
 /*
  * FrameReader(max_frame, emit, frame_memory, bad_stream, fail=None)
  *
- * What amesh._transport._stream_wire.Reader does, in C, so that the event loop's
+ * What amesh._transport._stream_framing.Reader does, in C, so that the event loop's
  * read callbacks (get_buffer, buffer_updated: the asyncio BufferedProtocol pair)
  * run no Python code of ours until a whole frame is handed to emit(frame).
  *

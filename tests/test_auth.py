@@ -25,7 +25,7 @@ import pytest
 from amesh import ProcMesh, _codec, _identity, _wire
 from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
-from amesh._transport import _stream_wire as wire
+from amesh._transport import _stream_framing as wire
 from amesh.testing._leaks import child_pids
 
 from .actors import Counter

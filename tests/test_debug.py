@@ -19,7 +19,7 @@ import pytest
 
 from amesh import _debug
 from amesh._transport import CHALLENGE_LEN, Gate, Refused
-from amesh._transport._stream_wire import fresh_address, parse_address
+from amesh._transport._stream_framing import fresh_address, parse_address
 
 #: How long any one expected output may take (a worker starts in well under this).
 EXPECT = 30

@@ -28,7 +28,7 @@ import pytest
 from amesh import ProcMesh, SupervisionError, _wire
 from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
-from amesh._transport import _stream_wire as wire
+from amesh._transport import _stream_framing as wire
 from amesh._transport._ext import ExtTransport
 from amesh._worker import NativeBeats
 

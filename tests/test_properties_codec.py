@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from amesh import _codec, _wire, configure
-from amesh._transport._stream_wire import HEADER, HLEN, Buf, Reader, byte_view
+from amesh._transport._stream_framing import HEADER, HLEN, Buf, Reader, byte_view
 
 pytestmark = pytest.mark.timeout(120)
 

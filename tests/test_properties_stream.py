@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from amesh._native import _ext
-from amesh._transport._stream_wire import (
+from amesh._transport._stream_framing import (
     CHUNK,
     HEADER,
     HLEN,

@@ -32,7 +32,7 @@ from amesh._transport import (
     ipc_dir,
     open_transport,
 )
-from amesh._transport import _stream_wire as wire
+from amesh._transport import _stream_framing as wire
 from amesh._transport._ext import ExtTransport
 from amesh._transport._tags import dial_part, tag_of
 

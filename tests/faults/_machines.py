@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from amesh import ActorError, ActorMesh, RestartPolicy, SupervisionError, _codec, _wire
-from amesh._transport._stream_wire import HEADER, MAX_SIZE, is_stream_address, parse_address
+from amesh._transport._stream_framing import HEADER, MAX_SIZE, is_stream_address, parse_address
 from amesh.testing import FaultyTransport, InProcessHost, MemoryTransport
 
 from ..actors import Ledger

@@ -200,6 +200,9 @@ class ProcMesh(MeshView):
         )
         self._sup: MeshSupervisor | None = None
         self._state: MeshState | None = None
+        #: why this controller let go of this persistent mesh: another took it over
+        #: (its actor meshes raise it on every call, see :meth:`_let_go`); else None
+        self._taken_over: str | None = None
         self._stack: AsyncExitStack | None = None
         self._root = True
         self._scoped = False
@@ -235,12 +238,6 @@ class ProcMesh(MeshView):
         if self._state.closing:
             raise RuntimeError("this ProcMesh is shutting down")
         return self._state
-
-    @property
-    def _taken_over(self) -> str | None:
-        """Why this controller let go of this persistent mesh: another took it over
-        (its actor meshes raise it, see :meth:`_let_go`); else None."""
-        return self._state.taken_over if self._state is not None else None
 
     @property
     def pids(self) -> list[int]:
@@ -392,6 +389,7 @@ class ProcMesh(MeshView):
             self._set_host(await persistent_host(self.name, len(self._shape)))
         handles = await self._life.start_procs(rt, list(range(len(self._shape))))
         st = self._state = MeshState(rt, tg, handles)
+        self._taken_over = None
         self._supervise_state(st)
         st.publish = self._publish
         await self._publish()
@@ -479,6 +477,7 @@ class ProcMesh(MeshView):
         if owner is not None and owner.tg is not None:
             self._owner, tg = owner, owner.tg
         st = self._state = MeshState(rt, tg, handles)
+        self._taken_over = None
         for a in actors:
             cls: type[Actor] = _Unknown
             try:
@@ -545,6 +544,7 @@ class ProcMesh(MeshView):
             "(attach_mesh(..., takeover=True)): this controller let go of it"
         )
         log.warning("%s", st.taken_over)
+        self._taken_over = st.taken_over
         self._detach()
         return True
 

@@ -27,9 +27,8 @@ class MeshOwner(Protocol):
 
     def _session_failure(self) -> Exception | None: ...
 
-    @property
-    def _taken_over(self) -> str | None:
-        """Why this controller no longer drives the mesh (another took it over)."""
+    #: why this controller no longer drives the mesh (another took it over), else None
+    _taken_over: str | None
 
 
 class ActorMesh(MeshView, Generic[A]):

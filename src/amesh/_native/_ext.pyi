@@ -240,7 +240,7 @@ def _wait_uninterruptibly(seconds: float, /) -> None:
 
 class FrameReader:
     """One inbound stream connection's length-prefixed frames, each handed to
-    ``emit(frame)``: :class:`amesh._transport._stream_wire.Reader` in C, fed the way
+    ``emit(frame)``: :class:`amesh._transport._stream_framing.Reader` in C, fed the way
     an event loop feeds an :class:`asyncio.BufferedProtocol` (a subclass that also
     inherits ``BufferedProtocol`` is one, and its reads run no Python code).
 

@@ -44,9 +44,9 @@ from ._hybrid import TLS_PREFIX, HostStreams, HybridTransport, local_route, open
 from ._memory import MemoryTransport
 from ._paths import ipc_dir
 from ._stream import StreamBeat, StreamTransport, is_stream_address
-from ._stream_wire import HEADER as STREAM_HEADER
-from ._stream_wire import fresh_address as fresh_stream_address
-from ._stream_wire import parse_address as parse_stream_address
+from ._stream_framing import HEADER as STREAM_HEADER
+from ._stream_framing import fresh_address as fresh_stream_address
+from ._stream_framing import parse_address as parse_stream_address
 from ._tags import TAG_PATTERN, dial_part
 
 if TYPE_CHECKING:

@@ -77,8 +77,7 @@ from ._guard import Admission, Limits
 from ._paths import ensure_ipc_dir
 from ._stream_aio import AioInbound, AioLink
 from ._stream_anyio import AnyioInbound, AnyioLink
-from ._stream_io import BATCH_FRAME, HIGH_WATER, notify_closing_quietly, spawn_system_task
-from ._stream_wire import (
+from ._stream_framing import (
     HEADER,
     HLEN,
     MAX_SIZE,
@@ -96,6 +95,7 @@ from ._stream_wire import (
     nbytes,
     parse_address,
 )
+from ._stream_io import BATCH_FRAME, HIGH_WATER, notify_closing_quietly, spawn_system_task
 from ._tags import listening_address
 
 __all__ = ["HIGH_WATER", "StreamBeat", "StreamTransport", "is_stream_address", "parse_address"]

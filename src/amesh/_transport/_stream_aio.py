@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ._auth import CHALLENGE_LEN, HANDSHAKE_TIMEOUT, Gate, Refused, answer, check_peer
 from ._base import FIRST_CONNECT_WINDOW
+from ._stream_framing import AnyReader, BadStream, Buf, SockAddr, _frame_memory, owned, tail
 from ._stream_io import (
     BATCH_BYTES,
     BATCH_FRAME,
@@ -31,7 +32,6 @@ from ._stream_io import (
     Waiters,
     cannot_connect,
 )
-from ._stream_wire import AnyReader, BadStream, Buf, SockAddr, _frame_memory, owned, tail
 
 if TYPE_CHECKING:
     from ._stream import StreamTransport

@@ -19,6 +19,7 @@ import anyio
 
 from ._auth import CHALLENGE_LEN, HANDSHAKE_TIMEOUT, Gate, Refused, answer, check_peer
 from ._base import FIRST_CONNECT_WINDOW
+from ._stream_framing import NOSIGNAL, Buf, SockAddr, owned, tail
 from ._stream_io import (
     HIGH_WATER,
     IOV_MAX,
@@ -29,7 +30,6 @@ from ._stream_io import (
     cannot_connect,
     notify_closing_quietly,
 )
-from ._stream_wire import NOSIGNAL, Buf, SockAddr, owned, tail
 
 if TYPE_CHECKING:
     from ._stream import StreamTransport

@@ -1,4 +1,5 @@
-"""The stream transport's wire: its addresses, its framing, and a blocking sender.
+"""The stream transport's framing: its addresses, its frames on the socket, and a
+blocking sender (named apart from :mod:`amesh._wire`, the envelopes inside frames).
 
 A frame travels as a 4-byte little-endian length followed by the frame's bytes, once
 the connection's handshake (:mod:`._auth`) is done.
