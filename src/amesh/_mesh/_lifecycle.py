@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup
 
 from .. import _codec, _limits
@@ -68,9 +69,6 @@ class MeshState:
         self.escalation: anyio.Event | None = None
         self.closing = False
         self.closed = anyio.Event()
-        #: why this controller let go of a persistent mesh that another took over
-        #: (what its handles raise from then on), else None
-        self.taken_over: str | None = None
         self.restarting = 0
         self.restarted = anyio.Event()
         self.restarts = 0
@@ -163,11 +161,12 @@ class Lifecycle:
         room = getattr(self.host, "make_room", None)  # (machines of their own: they check)
         if room is not None:
             await room(slots)
-        scheme, host = self.scheme(rt)
+        spec = self.spec(*self.scheme(rt))
         procs: list[ProcHandle | None] = [None] * n
 
         async def start(i: int) -> None:
-            procs[i] = await self.host.start_proc(rt, self.spec(slots[i], scheme, host))
+            own = msgspec.structs.replace(spec, slot=slots[i])
+            procs[i] = await self.host.start_proc(rt, own)
 
         try:
             async with anyio.create_task_group() as starters:
@@ -187,12 +186,12 @@ class Lifecycle:
             printer.attach(p.addr, slot)
         return started
 
-    def spec(self, slot: int, scheme: str, host: str) -> WorkerSpec:
-        """What this mesh asks of the process of ``slot``, listening as ``scheme`` on
-        ``host``: its environment (the settings given to :func:`amesh.configure`, under
-        the mesh's ``env``), heartbeats, event loop, and what its output becomes."""
+    def spec(self, scheme: str, host: str) -> WorkerSpec:
+        """What this mesh asks of each of its processes (their slots aside), listening
+        as ``scheme`` on ``host``: its environment (the settings given to
+        :func:`amesh.configure`, under the mesh's ``env``), heartbeats, event loop,
+        and what its output becomes."""
         return WorkerSpec(
-            slot=slot,
             scheme=scheme,
             host=host,
             env={**exported(), **self.env},

@@ -233,8 +233,8 @@ class ProcMesh(MeshView):
                 "this ProcMesh is not running: use `async with ProcMesh(...)` or "
                 "`procs = await ProcMesh(...)`"
             )
-        if self._state.taken_over is not None:
-            raise RuntimeError(self._state.taken_over)
+        if self._taken_over is not None:
+            raise RuntimeError(self._taken_over)
         if self._state.closing:
             raise RuntimeError("this ProcMesh is shutting down")
         return self._state
@@ -539,12 +539,11 @@ class ProcMesh(MeshView):
         st = self._state
         if st is None or st.closing:
             return False
-        st.taken_over = (
+        self._taken_over = (
             f"persistent mesh {self.name!r} was taken over by the controller {by} "
             "(attach_mesh(..., takeover=True)): this controller let go of it"
         )
-        log.warning("%s", st.taken_over)
-        self._taken_over = st.taken_over
+        log.warning("%s", self._taken_over)
         self._detach()
         return True
 

@@ -387,15 +387,7 @@ class MeshEndpoint(Generic[P, R]):
                 f"{len(mesh)} ({mesh.sizes}); slice it or use call()"
             )
         payload = self._encode(args, kwargs, targets)
-        op = _Call(self, targets)
-        try:
-            sending = op.send_soon(payload)
-            if sending is not None:
-                await sending
-            result: R = (await op.reply())[1]
-        finally:
-            op.close()
-        return result
+        return await self._one(targets, payload)
 
     @bridged
     async def choose(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -415,7 +407,12 @@ class MeshEndpoint(Generic[P, R]):
         rank = random.choice([r for r, n in load.items() if n == least])
         chosen = {rank: targets[rank]}
         payload = self._encode(args, kwargs, chosen)
-        op = _Call(self, chosen)
+        return await self._one(chosen, payload)
+
+    async def _one(self, target: dict[int, str], payload: Payloads) -> R:
+        """Call the one rank of ``target`` (:meth:`call_one`, :meth:`choose`): its
+        result."""
+        op = _Call(self, target)
         try:
             sending = op.send_soon(payload)
             if sending is not None:

@@ -391,7 +391,8 @@ class HybridTransport:
         return [t for t in (self._tls, self._streams) if t is not None]
 
 
-#: StreamTransport's own try_send, which :meth:`HostStreams.try_send` calls (no super() a frame)
+#: StreamTransport's own try_send, which :meth:`HostStreams.try_send` calls directly
+#: (no super() for each frame)
 _stream_try_send = StreamTransport.try_send
 
 
