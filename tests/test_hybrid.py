@@ -323,3 +323,37 @@ def test_only_tls_addresses_with_a_listener_have_an_alias() -> None:
     assert local_alias("stream+tcp://127.0.0.1:1") is None
     assert local_alias("tcp://127.0.0.1:1") is None
     assert local_alias("tls+tcp://127.0.0.1:1") is None  # nobody listens on its alias
+
+
+async def test_the_alias_link_is_the_tls_address_s_own(made: list[Transport]) -> None:
+    """The link a process on plain streams makes to a tls+tcp process of its host is
+    held under both addresses (frames to the tls+tcp one go like any other); its
+    loss is reported under the tls+tcp address, once, and forgetting that address
+    forgets the alias's link too."""
+    a, b, inbox_a, inbox_b = HostStreams("abstract"), hybrid(), Inbox(), Inbox()
+    made += [a, b]
+    lost: list[str] = []
+    reported = anyio.Event()
+
+    def on_lost(addr: str, why: str) -> None:
+        lost.append(addr)
+        reported.set()
+
+    a.set_lost_handler(on_lost)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.serve, inbox_a.deliver)
+            tg.start_soon(b.serve, inbox_b.deliver)
+            for i in range(20):
+                assert a.try_send(b.address, b"%d" % i)
+            assert await inbox_b.take(20) == [b"%d" % i for i in range(20)]
+            assert a.statistics().peers == 1
+            a.forget(b.address)
+            assert a.statistics().peers == 0
+            await a.send(b.address, b"again")
+            assert await inbox_b.take(1) == [b"again"]
+            b.close()
+            await reported.wait()
+            tg.cancel_scope.cancel()
+    assert lost == [b.address]
+    assert a.statistics().peers == 0

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import msgspec
 
 from .._identity import has_key
 from ._base import Deliver, Transport, TransportClosed, TransportStats
@@ -391,9 +392,27 @@ class HybridTransport:
         return [t for t in (self._tls, self._streams) if t is not None]
 
 
-#: StreamTransport's own try_send, which :meth:`HostStreams.try_send` calls directly
-#: (no super() for each frame)
-_stream_try_send = StreamTransport.try_send
+class _Dropped:
+    """The link to a ``tls+tcp`` address with no local alias (another host's, or
+    gone): it takes every frame and drops it; its loss is reported."""
+
+    __slots__ = ()
+    waiters = 0
+    fast = None
+    closed = True
+    lock = None
+
+    def try_write(self, bufs: Any, total: int) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, bufs: Any, total: int) -> None:
+        pass
+
+
+_DROPPED: Any = _Dropped()
 
 
 class HostStreams(StreamTransport):
@@ -404,34 +423,34 @@ class HostStreams(StreamTransport):
     default transport, this machine's own agent) could not answer a controller of the
     same host started with ``AMESH_TRANSPORT=tcp``, nor call the workers of one: its
     frames were dropped (a persistent mesh's ``hosts.info`` timed out). The link to
-    such an address is the alias's, reported lost under the ``tls+tcp`` address. One
-    with no alias here is another host's: sent to as is, and refused.
+    such an address is its alias's, found once, when the first frame to it makes the
+    link: the transport's table holds it under both addresses, so that a frame goes
+    as any other (no step of its own per frame), and its loss is reported under the
+    ``tls+tcp`` address. One with no alias here is another host's: its frames are
+    dropped, and the link reported lost.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: ``tls+tcp`` address -> its alias, and back, for the addresses sent to
-        self._aliases: dict[str, str] = {}
+        #: alias -> the ``tls+tcp`` address whose link it is
         self._canonical: dict[str, str] = {}
-        self._handler: Callable[[str, str], None] | None = None
 
-    def _target(self, addr: str) -> str | None:
-        """Where to send to ``addr``; None: nowhere (reported lost)."""
+    def _link(self, addr: str) -> Any:
         if not addr.startswith(TLS_PREFIX):
-            return addr
-        alias = self._aliases.get(addr)
+            return super()._link(addr)
+        alias = local_alias(addr)
         if alias is None:
-            alias = local_alias(addr)
-            if alias is None:
-                self._unreachable(addr)
-                return None
-            self._aliases[addr], self._canonical[alias] = alias, addr
-        return alias
+            self._unreachable(addr)
+            return _DROPPED
+        link = super()._link(alias)
+        self._links[addr] = link
+        self._canonical[alias] = addr
+        return link
 
     def _unreachable(self, addr: str) -> None:
         """Report the link to ``addr`` lost, from the event loop, as a refused dial is
         (its frames are dropped): its calls fail now, not when they time out."""
-        handler = self._handler
+        handler = self._lost_handler
         if handler is None:
             return
         why = (
@@ -445,32 +464,28 @@ class HostStreams(StreamTransport):
         self._fast()  # (finds which event loop runs this)
         spawn_system_task(self._backend, report, self._tasks)
 
-    def try_send(self, addr: str, frame: Frame) -> bool:
-        # (every frame of a process on streams comes here: one test, no super())
-        if addr.startswith(TLS_PREFIX):
-            target = self._target(addr)
-            if target is None:
-                return True  # dropped: reported lost
-            addr = target
-        return _stream_try_send(self, addr, frame)
+    def _link_lost(self, link: Any, why: str) -> None:
+        alias: str = link.addr
+        canonical = self._canonical.pop(alias, None)
+        if canonical is not None and self._links.get(canonical) is link:
+            del self._links[canonical]
+            if self._links.get(alias) is link:
+                del self._links[alias]
+            handler = self._lost_handler
+            if handler is not None and not self._closed:
+                handler(canonical, why)
+            return
+        super()._link_lost(link, why)
 
-    async def send(self, addr: str, frame: Frame) -> None:
-        target = self._target(addr)
-        if target is not None:
-            await super().send(target, frame)
+    def statistics(self) -> TransportStats:
+        stats = super().statistics()  # (an alias's link counts once)
+        return msgspec.structs.replace(stats, peers=stats.peers - len(self._canonical))
 
     def forget(self, addr: str) -> None:
-        alias = self._aliases.pop(addr, None)
-        if alias is not None:
+        link = self._links.get(addr)
+        if link is not None and addr.startswith(TLS_PREFIX):
+            alias = link.addr
             self._canonical.pop(alias, None)
-        super().forget(alias or addr)
-
-    def _lost(self, addr: str, why: str) -> None:
-        canonical = self._canonical.pop(addr, addr)
-        self._aliases.pop(canonical, None)
-        if self._handler is not None:
-            self._handler(canonical, why)
-
-    def set_lost_handler(self, handler: Callable[[str, str], None] | None) -> None:
-        self._handler = handler
-        super().set_lost_handler(None if handler is None else self._lost)
+            if self._links.get(alias) is link:
+                del self._links[alias]
+        super().forget(addr)
