@@ -33,6 +33,11 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: ``tls+tcp``...), on the interface ``host``; a host agent decides both for its own
     scheme: str = "auto"
     host: str = "127.0.0.1"
+    #: the Python interpreter that runs it, and its working directory; "": those of
+    #: the process that starts it (the controller, for a worker on its machine; the
+    #: host agent on another). A worker of another interpreter is exec'd, not forked
+    python: str = ""
+    cwd: str = ""
     #: environment variables it gets beside its host's own (the mesh's ``env=``)
     env: dict[str, str] = {}
     #: amesh settings by name (``{"fanout": 4}``): those given to

@@ -194,7 +194,8 @@ class Lifecycle:
         """What this mesh asks of each of its processes (their slots aside), listening
         as ``scheme`` on ``host``: its environment, its settings (those given to
         :func:`amesh.configure`, under the mesh's own), heartbeats, event loop, and
-        what its output becomes."""
+        what its output becomes. (Its interpreter and working directory are its
+        host's.)"""
         return WorkerSpec(
             scheme=scheme,
             host=host,
