@@ -454,6 +454,8 @@ class ProcMesh(MeshView):
             "sizes": list(self._shape.sizes),
             "fanout": self._fanout,
             "heartbeat": [self._hb_period, self._hb_timeout],
+            # (its restarted workers get them under the controller that took it over)
+            "settings": self._life.settings,
             "procs": [[p.addr, p.pid] for p in st.procs],
             "actors": actors,
             "controller": st.runtime.address,
