@@ -456,10 +456,10 @@ def heartbeats(
     processes: int, period: float | None = None, timeout: float | None = None
 ) -> tuple[float, float]:
     """``(period, timeout)`` of the heartbeats of a mesh of ``processes``: the values
-    given (a ProcMesh's arguments), else those set (:func:`configure`, ``AMESH_*``),
-    else defaults that keep the controller's load bounded: a period of at least
-    ``processes / 512`` s (0.5 s up to 256 processes) and a timeout of at least 4
-    periods (5 s up to 1.25 s periods).
+    given (a ProcMesh's arguments, or its ``settings=``), else those set
+    (:func:`configure`, ``AMESH_*``), else defaults that keep the controller's load
+    bounded: a period of at least ``processes / 512`` s (0.5 s up to 256 processes) and
+    a timeout of at least 4 periods (5 s up to 1.25 s periods).
 
     Raises:
         ConfigError: the period is not > 0, or the timeout not more than the period;
