@@ -88,14 +88,15 @@ def test_configure_wins_over_the_environment_and_none_gives_it_back(
     amesh.configure(send_window=256, state_dir=Path("/tmp/x"), heartbeat_timeout=7)
     s = _config.settings()
     assert (s.send_window, s.state_dir, s.heartbeat_timeout) == (256, "/tmp/x", 7.0)
-    assert _config.exported() == {
-        "AMESH_SEND_WINDOW": "256",
-        "AMESH_STATE_DIR": "/tmp/x",
-        "AMESH_HEARTBEAT_TIMEOUT": "7.0",
+    # what the workers get in their spec: typed values, by name
+    assert _config.for_workers({}, {}) == {
+        "send_window": 256,
+        "state_dir": "/tmp/x",
+        "heartbeat_timeout": 7.0,
     }
     amesh.configure(send_window=None)
     assert _config.settings().send_window == 128
-    assert "AMESH_SEND_WINDOW" not in _config.exported()
+    assert "send_window" not in _config.for_workers({}, {})
 
 
 def test_configure_refuses_unknown_names_listing_the_valid_ones() -> None:
@@ -105,7 +106,7 @@ def test_configure_refuses_unknown_names_listing_the_valid_ones() -> None:
     assert message.startswith("no amesh setting fanot; the settings are: ")
     for f in dataclasses.fields(_config.Settings):
         assert f.name in message
-    assert _config.exported() == {}  # nothing was set, not even fanout
+    assert _config.for_workers({}, {}) == {}  # nothing was set, not even fanout
 
 
 @pytest.mark.parametrize(
@@ -125,7 +126,7 @@ def test_configure_checks_values_as_the_environment_is(
         amesh.configure(**values, send_window=128)
     assert str(info.value).startswith(message)
     assert repr(next(iter(values.values()))) in str(info.value)
-    assert _config.exported() == {}
+    assert _config.for_workers({}, {}) == {}
 
 
 def test_explicit_zeros_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,7 +234,7 @@ def test_unknown_variables_are_warned_of_once_with_the_closest_setting(
 
 
 def test_values_round_trip_through_the_environment() -> None:
-    # configure's values reach workers as variables: each must read back the same
+    # a default as the table writes it, set as its variable, reads back the same
     for f in dataclasses.fields(_config.Settings):
         if f.default != "":
             assert _config._parse(f.name, _config._text(f.default)) == f.default, f.name
@@ -283,4 +284,4 @@ def test_logging_levels_are_read_in_any_case(monkeypatch: pytest.MonkeyPatch) ->
     assert _config.settings().log_level == "INFO"
     amesh.configure(log_level="debug")
     assert _config.settings().log_level == "DEBUG"
-    assert _config.exported() == {"AMESH_LOG_LEVEL": "DEBUG"}
+    assert _config.for_workers({}, {}) == {"log_level": "DEBUG"}

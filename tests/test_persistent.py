@@ -81,7 +81,9 @@ import amesh.testing
 from tests.actors import Counter
 
 async def main():
-    procs = await amesh.ProcMesh({"procs": 2}, name="train", persistent=True)
+    procs = await amesh.ProcMesh(
+        {"procs": 2}, name="train", persistent=True, settings={"send_window": 128, "fanout": 4}
+    )
     counters = await procs.spawn("counters", Counter)
     await counters.incr.call(5)
     await counters.slice(procs=1).incr.call_one(2)
@@ -168,6 +170,9 @@ async def test_a_controller_that_returns_lets_go_and_amesh_stop_ends_it(state: P
         assert all(_alive(p) for p in pids)
         async with open_runtime(lambda: open_transport("abstract")):
             procs = await amesh.attach_mesh("train")
+            # its own settings, for the workers it may start again
+            assert procs._life.settings == {"send_window": 128, "fanout": 4}
+            assert (procs._fanout, procs._hb_timeout) == (4, 5.0)
             counters = await procs.actor_mesh("counters")
             assert await counters.slice(procs=1).incr.call_one(3) == 10
         assert all(_alive(p) for p in pids)  # leaving lets go of it, nothing more

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import anyio
 import pytest
 
-from amesh import ProcMesh
+import amesh
+from amesh import ProcMesh, this_host
 from amesh._bootstrap import Bootstrap, WorkerSpec, this_worker
+from amesh._runtime import open_runtime
+from amesh._transport import open_transport
 from amesh.testing import InProcessHost
 
 pytestmark = pytest.mark.anyio
@@ -64,3 +71,35 @@ def test_a_bootstrap_carries_its_spec_whole() -> None:
         spec=spec, parent="p", parent_pid=1, token="t", sys_path=["/x"], pdeathsig=True, key=b"k"
     )
     assert Bootstrap.from_bytes(boot.to_bytes()) == boot
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "exec"])
+async def test_a_worker_runs_in_the_interpreter_and_directory_of_its_spec(
+    tmp_path: Path, zygote: bool
+) -> None:
+    """A spec's working directory is honoured whether the worker is forked or exec'd;
+    its interpreter (here a wrapper that notes its pid, then runs this Python) is
+    exec'd, never forked from the zygote (which runs this one)."""
+    amesh.configure(zygote=zygote)
+    ran = tmp_path / "ran"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho $$ > {ran}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    pids = []
+    with anyio.fail_after(50):
+        async with open_runtime(lambda: open_transport("auto")) as rt:
+            scheme = rt.address.split("://", 1)[0]
+            for spec in (
+                WorkerSpec(scheme=scheme, cwd=str(tmp_path)),
+                WorkerSpec(scheme=scheme, cwd=str(tmp_path), python=str(python)),
+            ):
+                handle = await this_host().start_proc(rt, spec)
+                try:
+                    pids.append(handle.pid)
+                    assert os.readlink(f"/proc/{handle.pid}/cwd") == str(tmp_path)
+                    assert ran.exists() == (spec.python != "")
+                finally:
+                    handle.process.kill()
+                    await handle.stop(0)
+    assert int(ran.read_text()) == pids[1]  # (exec keeps the wrapper's pid)

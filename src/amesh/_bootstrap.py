@@ -33,9 +33,17 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: ``tls+tcp``...), on the interface ``host``; a host agent decides both for its own
     scheme: str = "auto"
     host: str = "127.0.0.1"
-    #: environment variables it gets beside its host's own (the settings given to
-    #: :func:`amesh.configure`, the mesh's ``env=``)
+    #: the Python interpreter that runs it, and its working directory; "": those of
+    #: the process that starts it (the controller, for a worker on its machine; the
+    #: host agent on another). A worker of another interpreter is exec'd, not forked
+    python: str = ""
+    cwd: str = ""
+    #: environment variables it gets beside its host's own (the mesh's ``env=``)
     env: dict[str, str] = {}
+    #: amesh settings by name (``{"fanout": 4}``): those given to
+    #: :func:`amesh.configure` under the mesh's own, checked at the controller; the
+    #: worker adopts them (:func:`amesh._config.adopt`) before it reads any setting
+    settings: dict[str, bool | int | float | str] = {}
     #: how often it sends heartbeats, and how long its supervisor waits for one: it
     #: stops sending them once its main thread has been stuck in the kernel this long
     heartbeat_period: float = 0.5

@@ -5,9 +5,17 @@ in code (:func:`configure`), validated in one place.
 and the field's name in capitals. :func:`settings` parses the environment once, at
 first use, and again after :func:`reset` (a zygote's child taking its own environment,
 the test plugin between tests); values given to :func:`configure` win over the
-environment, and :func:`exported` hands them to the worker processes, which read
-their own environment. A bad value raises :class:`ConfigError`, which names the
-variable (or the setting) and the value.
+environment. A bad value raises :class:`ConfigError`, which names the variable (or the
+setting) and the value.
+
+Settings travel with what they configure: a mesh gives its workers, in their
+:class:`~amesh._bootstrap.WorkerSpec`, the values given to :func:`configure` under its
+own (``ProcMesh(settings=)``, checked by :func:`for_mesh`; :func:`for_workers` merges
+them), typed, never as variables of their environment; a worker adopts them
+(:func:`adopt`) before anything reads its settings. So two meshes of one controller may
+differ in the settings a mesh may set (``mesh=True`` in their rule, the table's "Per"
+column); the others (the transport, files and directories, keys) belong to each
+process.
 
 Some ``AMESH_*`` variables are amesh's own plumbing, set for its children
 (:data:`INTERNAL`): they are not settings, and :func:`take_internal` reads them.
@@ -24,7 +32,7 @@ import math
 import os
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +41,12 @@ __all__ = [
     "VARIABLES",
     "ConfigError",
     "Settings",
+    "adopt",
     "configure",
     "debug",
     "default_transport",
-    "exported",
+    "for_mesh",
+    "for_workers",
     "heartbeats",
     "is_set",
     "loop_options",
@@ -92,6 +102,9 @@ class _Rule:
     says: str = ""
     #: the default as the table shows it, when not the value itself
     shown: str = ""
+    #: whether a mesh may set it for its own workers (``ProcMesh(settings=)``); the
+    #: others belong to a process as a whole (its transport, its files, its key)
+    mesh: bool = False
 
 
 def _setting(default: Any, doc: str, **rule: Any) -> Any:
@@ -144,6 +157,7 @@ class Settings:
         "this fan-out; 0: every rank directly (`ProcMesh(fanout=)`).",
         check=_fanout_ok,
         says="0 (no relay tree) or an integer >= 2",
+        mesh=True,
     )
     heartbeat_period: float = _setting(
         0.5,
@@ -151,6 +165,7 @@ class Settings:
         "mesh of N > 256 processes takes N/512 s, so that its controller hears at most "
         "about 512 heartbeats a second.",
         above=0,
+        mesh=True,
     )
     heartbeat_timeout: float = _setting(
         5.0,
@@ -158,18 +173,21 @@ class Settings:
         "(`ProcMesh(heartbeat_timeout=)`); more than the period. Unset, at least 4 "
         "periods.",
         above=0,
+        mesh=True,
     )
     send_window: int = _setting(
         1024,
         "Messages one sender may have waiting in one actor's mailbox before it waits "
         "(at least 2 x the credit batch of 32).",
         minimum=64,
+        mesh=True,
     )
     send_window_bytes: int = _setting(
         256 * _MIB,
         "Bytes one sender may have waiting in one actor's mailbox (at least 16 MiB).",
         minimum=16 * _MIB,
         shown="`268435456` (256 MiB)",
+        mesh=True,
     )
     shm_threshold: int = _setting(
         _MIB,
@@ -177,6 +195,7 @@ class Settings:
         "(below 64 KiB counts as 64 KiB).",
         minimum=0,
         shown="`1048576` (1 MiB)",
+        mesh=True,
     )
     shm_dir: str = _setting("/dev/shm", "Where shared-memory segments go.", shown="`/dev/shm`")
     ipc_dir: str = _setting("", "Where `ipc://` socket files go.", shown="`$TMPDIR/amesh-<uid>`")
@@ -216,6 +235,7 @@ class Settings:
         False,
         "Tracebacks keep amesh's own frames (which they leave out: remote ones, and those "
         "a controller prints).",
+        mesh=True,
     )
     pause_anywhere: bool = _setting(
         False,
@@ -223,6 +243,7 @@ class Settings:
         "in the code it calls pauses that handler only (off: only endpoints whose own "
         "code calls `breakpoint()` or `pdb.set_trace()`, and those that paused once; "
         "about 10 µs more per call).",
+        mesh=True,
     )
     backend: str = _setting(
         "asyncio", "The event loop of `amesh.run`.", choices=("asyncio", "trio")
@@ -244,11 +265,13 @@ class Settings:
         "The logging level of workers and host agents.",
         choices=_LEVELS,
         shown="`WARNING` (workers), `INFO` (host agents)",
+        mesh=True,
     )
     output: str = _setting(
         "folded",
         "What becomes of the workers' output: `folded`, `raw` or `off` (`ProcMesh(output=)`).",
         choices=("folded", "raw", "off"),
+        mesh=True,
     )
     log_file_bytes: int = _setting(
         4 * _MIB,
@@ -256,6 +279,7 @@ class Settings:
         "host agent (`amesh logs`), and as much again in one rotated file.",
         minimum=4096,
         shown="4 MiB",
+        mesh=True,
     )
 
 
@@ -383,25 +407,35 @@ def settings() -> Settings:
 
 def configure(**values: Any) -> None:
     """Set amesh settings in code, e.g. ``amesh.configure(fanout=4)``: they win over
-    the environment here and reach the worker processes started afterwards (a
-    ProcMesh's ``env=`` and its own arguments win over them). ``None`` gives a setting
+    the environment here and reach the worker processes started afterwards, in their
+    spec (a ProcMesh's arguments, its ``settings=`` and the variables of its ``env=``
+    win over them). ``None`` gives a setting
     back to the environment. Call it before starting meshes. The settings are the
     fields of :class:`Settings` (``docs/guides/configuration.md``).
 
     Raises:
         ConfigError: an unknown setting, or a value it cannot take (nothing is set).
     """
-    unknown = sorted(set(values) - set(_FIELDS))
-    if unknown:
-        raise ConfigError(
-            f"no amesh setting {', '.join(unknown)}; the settings are: {', '.join(_FIELDS)}"
-        )
+    _known(values)
     checked = {name: _check(name, v) for name, v in values.items() if v is not None}
     for name, value in values.items():
         if value is None:
             _overrides.pop(name, None)
     _overrides.update(checked)
     reset(overrides=False)
+
+
+def _known(names: Iterable[str]) -> None:
+    """Check that each of ``names`` is a setting.
+
+    Raises:
+        ConfigError: one is not (the message lists the settings).
+    """
+    unknown = sorted(set(names) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"no amesh setting {', '.join(unknown)}; the settings are: {', '.join(_FIELDS)}"
+        )
 
 
 def reset(*, overrides: bool = True) -> None:
@@ -422,10 +456,10 @@ def heartbeats(
     processes: int, period: float | None = None, timeout: float | None = None
 ) -> tuple[float, float]:
     """``(period, timeout)`` of the heartbeats of a mesh of ``processes``: the values
-    given (a ProcMesh's arguments), else those set (:func:`configure`, ``AMESH_*``),
-    else defaults that keep the controller's load bounded: a period of at least
-    ``processes / 512`` s (0.5 s up to 256 processes) and a timeout of at least 4
-    periods (5 s up to 1.25 s periods).
+    given (a ProcMesh's arguments, or its ``settings=``), else those set
+    (:func:`configure`, ``AMESH_*``), else defaults that keep the controller's load
+    bounded: a period of at least ``processes / 512`` s (0.5 s up to 256 processes) and
+    a timeout of at least 4 periods (5 s up to 1.25 s periods).
 
     Raises:
         ConfigError: the period is not > 0, or the timeout not more than the period;
@@ -510,10 +544,52 @@ def warn_unknown(stacklevel: int = 1) -> None:
         warnings.warn(text, stacklevel=stacklevel + 1)
 
 
-def exported() -> dict[str, str]:
-    """The settings given to :func:`configure`, as the variables of a worker's
-    environment."""
-    return {_var(name): _text(value) for name, value in _overrides.items()}
+def for_mesh(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` a mesh gives its workers (``ProcMesh(settings=)``), checked as
+    :func:`configure` checks its own.
+
+    Raises:
+        ConfigError: an unknown setting, one that belongs to a whole process (its
+            transport, a file: :func:`configure` or its variable sets it), or a value
+            it cannot take; the message names the setting.
+    """
+    _known(values)
+    for name in values:
+        if not _rule(name).mesh:
+            mine = ", ".join(n for n in _FIELDS if _rule(n).mesh)
+            raise ConfigError(
+                f"{name} ({_var(name)}) belongs to a whole process, not to one mesh: set it "
+                f"with amesh.configure or its variable; a mesh sets only {mine}"
+            )
+    return {name: _check(name, v) for name, v in values.items() if v is not None}
+
+
+def for_workers(mesh: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings the workers of a mesh adopt (:func:`adopt`): those given to
+    :func:`configure` in this process, but those its environment ``env`` sets as
+    variables (a mesh's ``env=``, which wins over them), under the mesh's own
+    ``mesh`` (checked by :func:`for_mesh`)."""
+    return {
+        **{name: v for name, v in _overrides.items() if _var(name) not in env},
+        **mesh,
+    }
+
+
+def adopt(values: Mapping[str, Any]) -> None:
+    """In a worker, at its start: the settings of its spec (:func:`for_workers`) are
+    this process's overrides, as if given to :func:`configure`, and only they: a
+    zygote's child keeps none of the zygote's.
+
+    Raises:
+        ConfigError: an unknown setting or a bad value (a spec from elsewhere).
+    """
+    if values == _overrides:  # (none, mostly: a forked child keeps its parsed settings)
+        return
+    _known(values)
+    checked = {name: _check(name, v) for name, v in values.items()}
+    _overrides.clear()
+    _overrides.update(checked)
+    reset(overrides=False)
 
 
 def take_internal(var: str, *, keep: bool = False) -> str:
@@ -536,9 +612,9 @@ def default_transport() -> tuple[str, str]:
 def debug() -> bool:
     """``AMESH_DEBUG``: tracebacks keep amesh's own frames, which they leave out (remote
     ones, and those a controller prints: :func:`amesh._tracebacks.hide_amesh_frames`)
-    by default. A worker reads its own environment: a local one inherits the
-    controller's (and :func:`configure`'s); set it for remote ones with
-    ``ProcMesh(env=...)`` or :func:`configure`."""
+    by default. A worker adopts :func:`configure`'s and its mesh's
+    (``ProcMesh(settings={"debug": True})``), else reads its environment (a local one
+    inherits the controller's; one on another host, its agent's)."""
     return settings().debug
 
 
@@ -554,8 +630,9 @@ def loop_options(backend: str) -> dict[str, object]:
 
 
 def table() -> str:
-    """The Markdown table of the settings: variable, type, default, meaning."""
-    rows = ["| Variable | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
+    """The Markdown table of the settings: variable, type, default, whether a mesh
+    may set it for its workers or it belongs to each process, meaning."""
+    rows = ["| Variable | Type | Default | Per | Meaning |", "| --- | --- | --- | --- | --- |"]
     for name, f in _FIELDS.items():
         rule = _rule(name)
         default = rule.shown or f"`{_text(f.default)}`"
@@ -565,5 +642,6 @@ def table() -> str:
             accepts = (
                 _says(name).replace(" (no relay tree)", "").removeprefix("a ").removeprefix("an ")
             )
-        rows.append(f"| `{_var(name)}` | {accepts} | {default} | {rule.doc} |")
+        per = "mesh" if rule.mesh else "process"
+        rows.append(f"| `{_var(name)}` | {accepts} | {default} | {per} | {rule.doc} |")
     return "\n".join(rows) + "\n"

@@ -11,8 +11,9 @@ dies with the zygote, and with the controller even if the zygote is gone.
 The worker learns what it needs (:class:`~amesh._bootstrap.Bootstrap`, with the job
 key) over a private channel: an exec'd worker reads it from the start of its stdin
 pipe, before it watches that pipe; a forked one gets it from the zygote's request. It
-adopts the key before it opens its transport, and proves itself with it to every peer
-it connects to (see :mod:`amesh._transport._auth`).
+adopts its mesh's settings (:attr:`~amesh._bootstrap.WorkerSpec.settings`) before
+anything reads one, and the key before it opens its transport, with which it proves
+itself to every peer it connects to (see :mod:`amesh._transport._auth`).
 
 The worker sends its parent a heartbeat every ``heartbeat_period``; the parent's
 supervisor kills a worker that was silent for ``heartbeat_timeout``. A thread of the C
@@ -53,7 +54,7 @@ import anyio
 
 from . import _debug, _wire
 from ._bootstrap import Bootstrap, WorkerSpec, read_bootstrap, started_as
-from ._config import loop_options, settings
+from ._config import adopt, loop_options, settings
 from ._identity import adopt_key
 from ._model import AGENT_KEY, ProcAgent, handlers_of
 from ._runtime import (
@@ -460,6 +461,7 @@ def main(boot: Bootstrap | None = None) -> None:
         except (EOFError, ValueError, OSError) as exc:
             print(f"amesh worker: no bootstrap on stdin: {exc}", file=sys.stderr)
             os._exit(1)
+    adopt(boot.spec.settings)  # its mesh's settings, before anything reads one
     adopt_key(boot.key)
     started_as(boot.spec)
     sys.breakpointhook = _debug.breakpointhook  # pdb at the controller

@@ -76,7 +76,8 @@ async def launch_worker(
     rt: Runtime, token: str, spec: WorkerSpec, child_env: dict[str, str], parent: str = ""
 ) -> tuple[ProcessLike, int]:
     """Start a worker on this machine as ``spec`` asks (from ``rt``'s zygote, else
-    exec'd), with environment ``child_env``, that reports Ready with ``token`` to
+    exec'd: always for another interpreter than this one), with environment
+    ``child_env``, that reports Ready with ``token`` to
     ``parent`` (``rt`` unless given: a host agent starts workers for a controller
     elsewhere); ``(process, pid)``."""
 
@@ -91,7 +92,9 @@ async def launch_worker(
             key=job_key(),
         )
 
-    zygote = await _zygote_for(rt, child_env)
+    # (the zygote is this interpreter, forked)
+    same_python = spec.python in ("", sys.executable)
+    zygote = await _zygote_for(rt, child_env) if same_python else None
     if zygote is not None:
         # The zygote forks from its only thread, which lives as long as it does.
         process = await _fork_worker(zygote, boot(zygote.pid, True), child_env)
@@ -107,12 +110,15 @@ async def launch_worker(
 
 
 async def _exec_worker(boot: Bootstrap, child_env: dict[str, str]) -> tuple[ProcessLike, int]:
-    """``python -m amesh._worker``, a child of this process."""
+    """``python -m amesh._worker``, a child of this process (in the interpreter and
+    working directory of its spec, else this process's)."""
+    spec = boot.spec
     process = await anyio.open_process(
-        [sys.executable, "-m", "amesh._worker"],
+        [spec.python or sys.executable, "-m", "amesh._worker"],
         stdin=subprocess.PIPE,
         stdout=None,
         stderr=None,
+        cwd=spec.cwd or None,
         env=child_env,
     )
     # The bootstrap holds the job key: it goes down the stdin pipe (private to the
@@ -132,7 +138,7 @@ async def _fork_worker(
     from ._zygote import ZygoteError
 
     try:
-        return await zygote.spawn(child_env, os.getcwd(), boot)
+        return await zygote.spawn(child_env, boot.spec.cwd or os.getcwd(), boot)
     except (ZygoteError, OSError) as exc:
         log.warning("starting a worker without the zygote: %s", exc)
         return None

@@ -659,15 +659,19 @@ async def attach_mesh(
     await _take_from_holder(name, record, takeover)
     per_host = int(record["per_host"])
     placement = _Placement(mesh, per_host, name)
+    # the mesh's own settings (for the workers it may start again), and those in
+    # effect that were not its own
+    own: dict[str, Any] = record.get("settings", {})
+    period, timeout = record["heartbeat"]
+    effect = {"fanout": record["fanout"], "heartbeat_period": period, "heartbeat_timeout": timeout}
     procs = ProcMesh(
         dict(zip(record["labels"], record["sizes"], strict=True)),
         host=placement,
         name=name,
         persistent=True,
-        fanout=int(record["fanout"]),
-        heartbeat_period=float(record["heartbeat"][0]),
-        heartbeat_timeout=float(record["heartbeat"][1]),
         supervise=supervise,
+        settings=own,
+        **{n: v for n, v in effect.items() if n not in own},
     )
     handles = []
     exits: dict[int, int] = record["exits"]

@@ -13,7 +13,7 @@ from anyio.abc import TaskGroup
 
 from .. import _codec, _limits
 from .._bootstrap import WorkerSpec
-from .._config import default_transport, exported
+from .._config import default_transport, for_workers
 from .._errors import ActorError, Failure, SupervisionError
 from .._model import AGENT_KEY, ActorMesh, ProcAgent, RestartPolicy, RestartWindow
 from .._runtime import OutputPrinter, Runtime
@@ -114,6 +114,8 @@ class Lifecycle:
         output: what becomes of the processes' output (see
             :mod:`amesh._runtime._output`).
         name: the mesh, as its processes' output names it (``[procs 3] ...``).
+        settings: the mesh's own amesh settings for its processes, checked
+            (:func:`amesh._config.for_mesh`).
     """
 
     def __init__(
@@ -125,9 +127,11 @@ class Lifecycle:
         heartbeat_timeout: float = 5.0,
         output: str = "folded",
         name: str = "procs",
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.host = host
         self.env = env
+        self.settings = settings or {}
         self.heartbeat_period = heartbeat_period
         self.heartbeat_timeout = heartbeat_timeout
         self.label = label
@@ -188,13 +192,15 @@ class Lifecycle:
 
     def spec(self, scheme: str, host: str) -> WorkerSpec:
         """What this mesh asks of each of its processes (their slots aside), listening
-        as ``scheme`` on ``host``: its environment (the settings given to
-        :func:`amesh.configure`, under the mesh's ``env``), heartbeats, event loop,
-        and what its output becomes."""
+        as ``scheme`` on ``host``: its environment, its settings (those given to
+        :func:`amesh.configure`, under the mesh's own), heartbeats, event loop, and
+        what its output becomes. (Its interpreter and working directory are its
+        host's.)"""
         return WorkerSpec(
             scheme=scheme,
             host=host,
-            env={**exported(), **self.env},
+            env=self.env,
+            settings=for_workers(self.settings, self.env),
             heartbeat_period=self.heartbeat_period,
             heartbeat_timeout=self.heartbeat_timeout,
             backend=self.backend,

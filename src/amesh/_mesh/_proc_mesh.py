@@ -38,7 +38,8 @@ import sniffio
 from anyio.abc import TaskGroup
 
 from .. import _codec, _reload
-from .._config import default_transport, heartbeats, settings, warn_unknown
+from .._config import ConfigError, default_transport, for_mesh, heartbeats, warn_unknown
+from .._config import settings as process_settings
 from .._errors import ActorError, Failure, SupervisionError
 from .._model import (
     AGENT_KEY,
@@ -92,15 +93,17 @@ class ProcMesh(MeshView):
 
     Enter it (``async with``) for a supervision scope, or ``await`` it inside an actor
     for a mesh that the actor owns. Starting launches the processes concurrently.
-    Slicing gives views that share the processes. Arguments left None take amesh's
-    settings (:func:`amesh.configure`, else ``AMESH_*``; docs/guides/configuration.md).
+    Slicing gives views that share the processes. Arguments left None take the mesh's
+    ``settings``, else amesh's (:func:`amesh.configure`, else ``AMESH_*``;
+    docs/guides/configuration.md).
 
     Args:
         per_host: ``{dim: size}`` of processes on the host.
         host: where the processes run; this machine by default.
-        env: extra environment variables for the workers (over the settings given to
-            :func:`amesh.configure`, which they get too); a name with ``=`` or NUL, or a
-            value that is not a str without NUL, raises ValueError here.
+        env: extra environment variables for the workers (an ``AMESH_*`` one wins
+            over the setting given to :func:`amesh.configure`, not over ``settings``);
+            a name with ``=`` or NUL, or a value that is not a str without NUL, raises
+            ValueError here.
         supervise: called with each :class:`~amesh.Failure` of this mesh (sync or
             async); return True when handled. Without it, failures go to the owning
             actor's ``__supervise__``, or escalate.
@@ -135,6 +138,15 @@ class ProcMesh(MeshView):
         backend: the event loop of the workers, ``"asyncio"`` (with uvloop) or
             ``"trio"``, so that endpoints may use that library's API; by default the
             controller's own (the loop that starts the mesh).
+        settings: amesh settings of this mesh's workers, by name
+            (``{"heartbeat_timeout": 60, "send_window": 256}``), over those given to
+            :func:`amesh.configure` (one given here and as an argument above is refused).
+            Only the settings marked "mesh" in docs/guides/configuration.md: the
+            others belong to a whole process. The controller supervises the mesh
+            (heartbeats), sends to it (fanout) and prints its output as they say; its
+            workers take them all (their own sends, their tracebacks, their logging).
+            An unknown name, a setting of the process, or a bad value raises
+            :class:`~amesh.ConfigError` here, naming it.
     """
 
     def __init__(
@@ -151,6 +163,7 @@ class ProcMesh(MeshView):
         persistent: bool = False,
         output: str | None = None,
         backend: str | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         if backend not in (None, "asyncio", "trio"):
             raise ValueError(f"backend must be 'asyncio' or 'trio', not {backend!r}")
@@ -170,8 +183,15 @@ class ProcMesh(MeshView):
         self.name = name
         self._persistent = persistent
         self._detacher: _Detacher | None = None
-        config = settings()
-        self._fanout = config.fanout if fanout is None else fanout
+        own = _own_settings(
+            settings or {},
+            fanout=fanout,
+            heartbeat_period=heartbeat_period,
+            heartbeat_timeout=heartbeat_timeout,
+            output=output,
+        )
+        fanout = own.get("fanout", fanout)
+        self._fanout = process_settings().fanout if fanout is None else fanout
         if self._fanout < 0 or self._fanout == 1:
             raise ValueError(f"fanout must be 0 (no tree) or at least 2, got {self._fanout}")
         self._shape = Shape.from_sizes(per_host if per_host is not None else {"procs": 1})
@@ -186,7 +206,9 @@ class ProcMesh(MeshView):
                 raise ValueError(f"env: {key}'s value is not a str without NUL: {value!r:.60}")
         self._supervise = supervise
         self._hb_period, self._hb_timeout = heartbeats(
-            len(self._shape), heartbeat_period, heartbeat_timeout
+            len(self._shape),
+            own.get("heartbeat_period", heartbeat_period),
+            own.get("heartbeat_timeout", heartbeat_timeout),
         )
         warn_unknown(stacklevel=2)
         self._life = Lifecycle(
@@ -195,8 +217,9 @@ class ProcMesh(MeshView):
             self._hb_period,
             f"ProcMesh {self.sizes}",
             self._hb_timeout,
-            output=output_mode(output),
+            output=output_mode(own.get("output", output)),
             name=name or "procs",
+            settings=own,
         )
         self._sup: MeshSupervisor | None = None
         self._state: MeshState | None = None
@@ -283,7 +306,7 @@ class ProcMesh(MeshView):
         text says so.
         """
         st = self._live()
-        full = full or settings().debug
+        full = full or process_settings().debug
         if rank is not None and not 0 <= rank < len(self._shape):
             raise IndexError(f"rank {rank} is not in {self!r}")
         slots = self._shape.slots if rank is None else [self._shape.slots[rank]]
@@ -329,7 +352,7 @@ class ProcMesh(MeshView):
         try:
             rt = runtime_var.get()
             if rt is None or rt.closed:  # a controller's first mesh, under asyncio.run
-                if not settings().debug:
+                if not process_settings().debug:
                     hide_amesh_frames()
                 scheme, host = default_transport()
                 rt = await stack.enter_async_context(
@@ -431,6 +454,8 @@ class ProcMesh(MeshView):
             "sizes": list(self._shape.sizes),
             "fanout": self._fanout,
             "heartbeat": [self._hb_period, self._hb_timeout],
+            # (its restarted workers get them under the controller that took it over)
+            "settings": self._life.settings,
             "procs": [[p.addr, p.pid] for p in st.procs],
             "actors": actors,
             "controller": st.runtime.address,
@@ -900,6 +925,20 @@ class ProcMesh(MeshView):
         if not any(updates):
             return ValueMesh.of(self, [[] for _ in updates])
         return await agents.load_code.call(ValueMesh.of(agents, updates))
+
+
+def _own_settings(values: Mapping[str, Any], **arguments: Any) -> dict[str, Any]:
+    """A ProcMesh's ``settings=``, checked (:func:`amesh._config.for_mesh`).
+
+    Raises:
+        ConfigError: as ``for_mesh``; or one of them is also one of the ProcMesh's
+            ``arguments`` given (not None).
+    """
+    own = for_mesh(values)
+    for name, value in arguments.items():
+        if value is not None and name in own:
+            raise ConfigError(f"{name} is given twice: as an argument and in settings=")
+    return own
 
 
 class _Unknown(Actor):
