@@ -343,15 +343,17 @@ async def test_the_alias_link_is_the_tls_address_s_own(made: list[Transport]) ->
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(a.serve, inbox_a.deliver)
-            tg.start_soon(b.serve, inbox_b.deliver)
-            for i in range(20):
-                assert a.try_send(b.address, b"%d" % i)
-            assert await inbox_b.take(20) == [b"%d" % i for i in range(20)]
-            assert a.statistics().peers == 1
-            a.forget(b.address)
-            assert a.statistics().peers == 0
-            await a.send(b.address, b"again")
-            assert await inbox_b.take(1) == [b"again"]
+            async with anyio.create_task_group() as serving_b:
+                serving_b.start_soon(b.serve, inbox_b.deliver)
+                for i in range(20):
+                    assert a.try_send(b.address, b"%d" % i)
+                assert await inbox_b.take(20) == [b"%d" % i for i in range(20)]
+                assert a.statistics().peers == 1
+                a.forget(b.address)
+                assert a.statistics().peers == 0
+                await a.send(b.address, b"again")
+                assert await inbox_b.take(1) == [b"again"]
+                serving_b.cancel_scope.cancel()
             b.close()
             await reported.wait()
             tg.cancel_scope.cancel()
