@@ -156,9 +156,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from amesh._hosts import _zygote
+    from amesh._hosts import _zygote_main
 
-    _zygote._preload()
+    _zygote_main._preload()
     gc.collect()
     gc.freeze()
     sys._clear_type_cache()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What only a newer CPython does: on 3.12 and 3.13 the zygote makes what it loaded
-# immortal (PEP 683) before it forks (amesh._hosts._zygote._settle). Sets up
+# immortal (PEP 683) before it forks (amesh._hosts._zygote_heap._settle). Sets up
 # .venv-newer with that interpreter (amesh, its C extension, the test tools; no torch,
 # whose local CPU build is for 3.11 only), then runs the tests of worker starts, output,
 # lifecycles, host agents and the debugger (pdb changed in 3.13) with it. Run by

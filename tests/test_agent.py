@@ -271,7 +271,7 @@ async def test_a_controller_on_the_default_transport_moves_towards_its_agents(
 
 def zygotes_of(pid: int) -> list[int]:
     """The zygotes among the children of process ``pid``."""
-    return [c for c in child_pids(pid) if "amesh._hosts._zygote" in cmdline_of(c)]
+    return [c for c in child_pids(pid) if "amesh._hosts._zygote_main" in cmdline_of(c)]
 
 
 async def test_an_agent_starts_its_zygote_before_any_mesh(tmp_path: Path) -> None:

@@ -56,14 +56,14 @@ _NO_TESTING = textwrap.dedent(
     import sys
 
     import amesh
-    from amesh._hosts import _zygote
+    from amesh._hosts import _zygote_main
 
     def testing() -> list[str]:
         return sorted(m for m in sys.modules if m.split(".")[:2] == ["amesh", "testing"])
 
     assert testing() == [], f"import amesh imported {testing()}"
-    _zygote._rehearse()
-    assert _zygote._rehearsed, "the rehearsal failed (see its debug log)"
+    _zygote_main._rehearse()
+    assert _zygote_main._rehearsed, "the rehearsal failed (see its debug log)"
     assert testing() == [], f"the zygote's rehearsal imported {testing()}"
     """
 )

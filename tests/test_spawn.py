@@ -70,7 +70,7 @@ async def test_workers_are_forked_by_one_single_threaded_zygote() -> None:
             # the zygote is this process's child; the workers are its children
             assert zygote != os.getpid() and zygote in child_pids()
             assert child_pids(zygote) >= set(procs.pids)
-            assert "amesh._hosts._zygote" in cmdline_of(zygote)
+            assert "amesh._hosts._zygote_main" in cmdline_of(zygote)
             assert threads_of(zygote) == 1
             # a terminal's Ctrl-C reaches the zygote too; it is the controller's to act on
             os.kill(zygote, signal.SIGINT)
@@ -119,7 +119,7 @@ class Shell(amesh.Actor):
             "returncode": done.returncode,
             "stdout": done.stdout,
             "loop": loop,
-            # (a forked worker's __main__ is the zygote's: python -m amesh._hosts._zygote)
+            # (a forked worker's __main__ is the zygote's: python -m amesh._hosts._zygote_main)
             "rehearsed": getattr(sys.modules["__main__"], "_rehearsed", None),
             "relocated": getattr(sys.modules["__main__"], "_relocated", None),
             "ppid": os.getppid(),
@@ -129,7 +129,7 @@ class Shell(amesh.Actor):
 async def test_the_zygotes_rehearsal_leaves_its_workers_whole(
     anyio_backend: tuple[str, dict[str, object]],
 ) -> None:
-    """The zygote plays a one-process mesh before it forks (_zygote._rehearse), and
+    """The zygote plays a one-process mesh before it forks (_zygote_main._rehearse), and
     what its workers inherit still works: they run on uvloop and start subprocesses
     through it (the rehearsal runs on uvloop too, which leaves libuv a pipe that libuv
     makes anew in each child: a child that closed it with the zygote's descriptors
@@ -140,7 +140,7 @@ async def test_the_zygotes_rehearsal_leaves_its_workers_whole(
             shell = await procs.spawn("shell", Shell)
             seen = (await shell.run.call([sys.executable, "-c", "print('hi')"])).values()
             zygote = seen[0]["ppid"]
-            assert "amesh._hosts._zygote" in cmdline_of(zygote)
+            assert "amesh._hosts._zygote_main" in cmdline_of(zygote)
             assert threads_of(zygote) == 1
     for s in seen:
         assert (s["returncode"], s["stdout"], s["rehearsed"]) == (0, b"hi\n", True), s
@@ -515,7 +515,7 @@ async def test_the_zygote_makes_what_it_loaded_immortal_where_python_can(
             c = await procs.spawn("c", Counter)
             seen = (await c.apply.call(_refcounts, None)).values()
             zygote = _zygote_of_this_runtime().pid
-            assert "amesh._hosts._zygote" in cmdline_of(zygote)
+            assert "amesh._hosts._zygote_main" in cmdline_of(zygote)
             assert [s["ppid"] for s in seen] == [zygote] * 2
     expect = _ext.CAN_IMMORTALIZE and immortal == "1"
     assert _ext.CAN_IMMORTALIZE == ((3, 12) <= sys.version_info[:2] <= (3, 13))
@@ -571,27 +571,27 @@ def test_immortalize_makes_objects_and_what_only_they_hold_immortal() -> None:
 
 
 def test_the_zygote_takes_the_free_blocks_of_its_partly_used_pools() -> None:
-    """_zygote._fill_pools (before each fork's settling): nearly every free block of
+    """_zygote_heap._fill_pools (before each fork's settling): nearly every free block of
     the allocator's partly used pools is taken, so a child allocates on pages of its
     own; the two smallest classes and a bytes-sized one included."""
-    from amesh._hosts import _zygote
+    from amesh._hosts import _zygote_heap
 
     spare = [bytes(15) for _ in range(3000)] + [object() for _ in range(3000)]
     del spare[::2]  # free blocks in partly used pools, of 16 and 48 bytes
-    before = _zygote.free_blocks()
+    before = _zygote_heap.free_blocks()
     assert len(before) >= 16 and before[16] > 100 and before[48] > 100, before
     try:
-        _zygote._fill_pools()
-        after = _zygote.free_blocks()
+        _zygote_heap._fill_pools()
+        after = _zygote_heap.free_blocks()
     finally:
-        _zygote._filler.clear()
+        _zygote_heap._filler.clear()
     assert after[16] < 20 and after[48] < before[48] / 4, (before, after)
     assert sum(after.values()) < sum(before.values()) / 4, (before, after)
 
 
 _RELOCATE = """
 import gc, json
-from amesh._hosts import _zygote
+from amesh._hosts import _zygote_heap
 
 def outer(x):
     def inner(y):
@@ -608,7 +608,7 @@ def left_alone():
 before = outer.__code__, plain.__code__, inner_code, left_alone.__code__
 made_before = outer(1)
 ran = {id(c): c for c in (plain.__code__, outer.__code__, inner_code)}
-moved = _zygote._relocate(ran)
+moved = _zygote_heap._relocate(ran)
 made_after = outer(1)
 print(json.dumps({
     "moved": moved,
@@ -625,7 +625,7 @@ print(json.dumps({
 
 
 def test_the_zygote_copies_the_code_it_rehearsed_together() -> None:
-    """_zygote._relocate: each function whose code object ran (an outer one, the
+    """_zygote_heap._relocate: each function whose code object ran (an outer one, the
     closure it makes, a plain one) runs an equal copy afterwards, and a closure made
     afterwards runs the copy of its code (the outer's constants are copied too);
     other functions are left alone, and every one answers as before."""
@@ -642,14 +642,14 @@ def test_the_zygote_copies_the_code_it_rehearsed_together() -> None:
 
 
 _FILL_HEAP = """
-from amesh._hosts import _zygote
+from amesh._hosts import _zygote_heap
 
-libc = _zygote._libc()
+libc = _zygote_heap._libc()
 spare = [libc.malloc(s) for s in (100, 200, 700, 3000, 20000) for _ in range(60)]
 for address in spare[::2]:  # free chunks between used ones, in each of the C bins
     libc.free(address)
 before = libc.mallinfo2()
-taken = _zygote._fill_heap()
+taken = _zygote_heap._fill_heap()
 after = libc.mallinfo2()
 print(taken, before.ordblks, before.smblks, before.fordblks - before.keepcost,
       after.ordblks, after.smblks, after.fordblks - after.keepcost)
@@ -657,7 +657,7 @@ print(taken, before.ordblks, before.smblks, before.fordblks - before.keepcost,
 
 
 def test_the_zygote_takes_the_free_chunks_of_its_heap() -> None:
-    """_zygote._fill_heap (in each settling): every free chunk of glibc's heap is
+    """_zygote_heap._fill_heap (in each settling): every free chunk of glibc's heap is
     taken, small and large, so that a child's malloc carves fresh pages from the top
     instead of writing shared ones: afterwards the top is the heap's only free chunk."""
     out = python_output(_FILL_HEAP)
@@ -667,9 +667,9 @@ def test_the_zygote_takes_the_free_chunks_of_its_heap() -> None:
 
 
 _FILL_HEAP_LIED_TO = """
-from amesh._hosts import _zygote
+from amesh._hosts import _zygote_heap
 
-real = _zygote._libc()
+real = _zygote_heap._libc()
 
 class Lying:
     def __getattr__(self, name):
@@ -678,9 +678,9 @@ class Lying:
     def sbrk(self, increment):
         return 1 << 62  # the top is never where it says: every answer looks like a hole
 
-_zygote._libc = Lying
+_zygote_heap._libc = Lying
 before = real.mallinfo2()
-_zygote._fill_heap()
+_zygote_heap._fill_heap()
 after = real.mallinfo2()
 print(after.uordblks + after.hblkhd - before.uordblks - before.hblkhd,
       before.fordblks - before.keepcost)

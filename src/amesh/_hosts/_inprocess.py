@@ -4,7 +4,7 @@
 processes (same runtime, same messages, same supervision) but starts in microseconds,
 runs on asyncio and trio alike, and lets a test kill, stop and continue a "process"
 deterministically. :mod:`amesh.testing` exports it; it lives here, in the product,
-because the zygote's rehearsal (:func:`amesh._hosts._zygote._rehearse`) plays a
+because the zygote's rehearsal (:func:`amesh._hosts._zygote_main._rehearse`) plays a
 one-process mesh on it, and product code never imports test code.
 """
 
