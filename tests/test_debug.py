@@ -338,7 +338,7 @@ def test_the_listener_refuses_peers_without_the_key(
     address = str(entry["address"])
     # this process holds another job key than the controller's
     with pytest.raises(Refused):
-        _debug._dial(address)
+        _debug._conn._dial(address)
     # a peer that skips the handshake: its lines never reach the paused pdb
     family, sockaddr = parse_address(address)
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -375,7 +375,7 @@ def test_a_worker_refuses_a_listener_without_the_key() -> None:
     thread.start()
     try:
         with pytest.raises(Refused, match="did not prove"):
-            _debug._dial(address)
+            _debug._conn._dial(address)
     finally:
         thread.join(EXPECT)
         listener.close()

@@ -138,18 +138,19 @@ _NO_SIDE_EFFECTS = textwrap.dedent(
     import pkgutil
 
     import amesh
-    from amesh import _debug, _hosts
+    from amesh import _hosts
+    from amesh._debug import _client
     from amesh._mesh import _host
 
     _host._default_host = None
     _host._persistent_host = None
-    _debug._remote_debuggers = list
+    _client._remote_debuggers = list
     for info in pkgutil.iter_modules(_hosts.__path__, "amesh._hosts."):
         importlib.reload(importlib.import_module(info.name))
     importlib.reload(_hosts)
     assert _host._default_host is None, _host._default_host
     assert _host._persistent_host is None, _host._persistent_host
-    assert _debug._remote_debuggers is list, _debug._remote_debuggers
+    assert _client._remote_debuggers is list, _client._remote_debuggers
     _hosts.plug_in()
     assert _host.default_host() is _hosts.this_host()
     assert _host._persistent_host is _hosts.local_holder
