@@ -9,7 +9,7 @@ such a copy can be made of, each the best of ``--rounds``, for ``--mib`` MiB:
   that was used before;
 - through the file against through a mapping that stays: ``pread``/``pwrite`` of the
   tmpfs file against a ``memcpy`` out of or into a mapping of it made once;
-- amesh's own path (``amesh._codec``): loading a pooled segment the first time (a new
+- amesh's own path (``amesh._wire``): loading a pooled segment the first time (a new
   mapping, a new object) and again (the mapping and the object it kept).
 
 The ratios are what matter: on the 2-CPU VM of bench/README.md fresh pages cost 3
@@ -75,7 +75,7 @@ def main() -> None:
         ]
         view.release()
         mem.close()
-        rows += _codec_rows(n, args.rounds)
+        rows += _wire_rows(n, args.rounds)
     finally:
         os.close(fd)
         os.unlink(path)
@@ -85,23 +85,23 @@ def main() -> None:
         print(f"| {name} | {t * 1e3:.2f} | {n / t / 1e9:.2f} |")
 
 
-def _codec_rows(n: int, rounds: int) -> list[tuple[str, float]]:
+def _wire_rows(n: int, rounds: int) -> list[tuple[str, float]]:
     """amesh's load of a pooled segment: the first time, and with what it kept."""
-    from amesh import _codec
+    from amesh import _wire
 
     data = os.urandom(n)
 
     def first() -> None:  # nothing kept: a new mapping, a new bytes object
-        _codec.release_segments()
-        p = _codec.dumps(data, shm=True)
+        _wire.release_segments()
+        p = _wire.dumps(data, shm=True)
         t = time.perf_counter()
-        _codec.loads(p.data, p.buffers)
+        _wire.loads(p.data, p.buffers)
         first_times.append(time.perf_counter() - t)
 
     def again() -> None:  # the segment, its mapping and the object come back
-        p = _codec.dumps(data, shm=True)
+        p = _wire.dumps(data, shm=True)
         t = time.perf_counter()
-        got = _codec.loads(p.data, p.buffers)
+        got = _wire.loads(p.data, p.buffers)
         again_times.append(time.perf_counter() - t)
         del got
 
@@ -109,10 +109,10 @@ def _codec_rows(n: int, rounds: int) -> list[tuple[str, float]]:
     again_times: list[float] = []
     for _ in range(rounds + 1):
         first()
-    _codec.release_segments()
+    _wire.release_segments()
     for _ in range(rounds + 1):
         again()
-    _codec.release_segments()
+    _wire.release_segments()
     return [
         ("amesh: load a pooled segment, nothing kept", min(first_times[1:])),
         ("amesh: load it again (mapping and object kept)", min(again_times[1:])),

@@ -1,6 +1,6 @@
 /*
  * amesh._native._ext's large received bytes: pread_bytes() and copy_bytes() put a large bytes
- * payload read out of shared memory (amesh._codec) into a bytes object the process
+ * payload read out of shared memory (amesh._wire) into a bytes object the process
  * already has and nobody references any more, rather than into fresh pages;
  * copy_bytes() copies out of a mapping the receiver keeps, with the GIL released.
  */

@@ -17,7 +17,7 @@
  * - amesh_ext.h: what they share (the NNG declarations, the module state).
  *
  * Policy (batch sizes, ring capacity, what an error means, when to wait) is the
- * caller's: amesh._transport and amesh._codec.
+ * caller's: amesh._transport and amesh._wire.
  */
 
 #include "amesh_ext.h"

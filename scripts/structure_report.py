@@ -36,7 +36,7 @@ are read there; it may be a ``git worktree`` of an older commit). What it prints
   module counts as importing ``P._m``) of a module inside a subpackage ``P`` of
   amesh, other than ``P`` itself (its front door), by a module outside ``P``. E.g.
   ``from amesh._runtime._mailbox import X`` in ``amesh._model._endpoint``. A module of the
-  ``amesh`` package itself (``amesh._codec``) is nobody's private module here: the
+  ``amesh`` package itself (``amesh._identity``) is nobody's private module here: the
   top level is the shared ground. Per package: the files that reach in, the private
   modules reached, the import statements.
 - **duplicates**: the pair count of ``duplicates --repo ROOT/src --most 200`` (the

@@ -20,7 +20,7 @@ import time
 import anyio
 
 import amesh
-from amesh import Actor, ProcMesh, _codec, endpoint
+from amesh import Actor, ProcMesh, _identity, _wire, endpoint
 
 MIB = 1 << 20
 #: Every payload of the traffic is this big: above the default threshold (1 MiB).
@@ -33,7 +33,7 @@ class Echo(Actor):
     """Large payloads in and out; a blocking endpoint; a segment kept unloaded."""
 
     def __init__(self) -> None:
-        self.kept: _codec.Payload | None = None
+        self.kept: _wire.Payload | None = None
 
     @endpoint
     def echo(self, blob: bytes) -> bytes:
@@ -62,18 +62,18 @@ class Echo(Actor):
     @endpoint
     def hold(self, nbytes: int) -> str:
         """Make a segment that nobody loads; its path."""
-        self.kept = _codec.dumps(bytes(nbytes), shm=True)
+        self.kept = _wire.dumps(bytes(nbytes), shm=True)
         (path,) = self.kept.segments
         return path
 
 
 async def _traffic() -> None:
-    print("job", _codec.job_id(), flush=True)
+    print("job", _identity.job_id(), flush=True)
     try:
         async with ProcMesh(per_host={"procs": 2}) as procs:
             echo = await procs.spawn("echo", Echo)
             await echo.hold.call(BLOB)
-            kept = _codec.dumps(bytes(BLOB), shm=True)
+            kept = _wire.dumps(bytes(BLOB), shm=True)
             assert kept.segments, "the controller made no segment"
             print("pids", *procs.pids, flush=True)
             blob = os.urandom(BLOB)

@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 import amesh
-from amesh import SupervisionError, _codec
+from amesh import SupervisionError, _wire
 from amesh._hosts._remote import LEASE_PERIOD, lease_period
 from amesh._identity import job_key, read_key_file
 from amesh._limits import TASKS_PER_PROCESS
@@ -389,14 +389,14 @@ async def test_losing_an_agent_fails_the_ranks_of_its_host(tmp_path: Path) -> No
 
 _CONTROLLER = """
 import os, sys, amesh
-from amesh import _codec
+from amesh import _identity, _wire
 
 async def main():
     hosts = await amesh.attach([sys.argv[1]], key_file=sys.argv[2])
     procs = await hosts.spawn_procs({"gpus": 2})
-    held = _codec.dumps(bytes(2 << 20), shm=True)  # a segment nobody loads
+    held = _wire.dumps(bytes(2 << 20), shm=True)  # a segment nobody loads
     assert held.segments
-    print(_codec.job_id(), *procs.pids, flush=True)
+    print(_identity.job_id(), *procs.pids, flush=True)
     sys.stdin.read()  # until killed
 
 amesh.run(main)
@@ -427,12 +427,12 @@ async def test_workers_do_not_outlive_their_controller(tmp_path: Path) -> None:
                 assert len(pids) == 2
                 for pid in pids:
                     assert agent.proc.pid in ancestors(int(pid))
-                assert job_segments(_codec.shm_dir(), job)
+                assert job_segments(_wire.shm_dir(), job)
                 ctl.kill()
                 for pid in pids:
                     await gone(int(pid))
                 await agent.logged("shared-memory segment(s) of ended processes")
-                assert job_segments(_codec.shm_dir(), job) == set()
+                assert job_segments(_wire.shm_dir(), job) == set()
             finally:
                 ctl.kill()
                 ctl.wait(10)

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 
-from amesh import ProcMesh, _codec, _identity, _wire
+from amesh import ProcMesh, _identity, _wire
 from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport, _auth
 from amesh._transport import _stream_framing as wire
@@ -121,7 +121,7 @@ def test_the_forged_call_runs_code_when_decoded(tmp_path: Path) -> None:
     path = tmp_path / "pwned"
     env, buffers = _wire.decode(forged_call(path))
     assert isinstance(env, _wire.Call) and env.actor == "_proc"
-    _codec.loads(env.payload, buffers)
+    _wire.loads(env.payload, buffers)
     assert path.exists()
 
 

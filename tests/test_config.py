@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import amesh
-from amesh import Actor, ConfigError, ProcMesh, _codec, _config, endpoint
+from amesh import Actor, ConfigError, ProcMesh, _config, _wire, endpoint
 from amesh._runtime import _links
 
 PAGE = Path(__file__).parent.parent / "docs" / "guides" / "configuration.md"
@@ -138,7 +138,7 @@ def test_explicit_zeros_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ProcMesh(fanout=2)._fanout == 2  # a call's own argument wins
     assert _config.settings().local_agent_idle == 0.0
     assert _config.settings().shm_threshold == 0
-    assert _codec.shm_threshold() == 64 * 1024  # smaller buffers cannot leave the stream
+    assert _wire.shm_threshold() == 64 * 1024  # smaller buffers cannot leave the stream
 
 
 def test_explicit_zero_heartbeats_are_refused_not_replaced() -> None:

@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 import amesh
-from amesh import ActorError, ProcMesh, _codec
+from amesh import ActorError, ProcMesh, _wire
 from amesh._runtime import current_runtime
 from amesh._tracebacks import format_traceback
 
@@ -73,9 +73,9 @@ def cell() -> Iterator[dict[str, Any]]:
 
 @pytest.mark.timeout(60)
 def test_code_by_value_keeps_its_file_name_and_brings_its_lines(cell: dict[str, Any]) -> None:
-    payload = _codec.dumps(cell["helper"])
+    payload = _wire.dumps(cell["helper"])
     del linecache.cache[CELL]  # as in another process
-    helper = _codec.loads(payload.data, payload.buffers)
+    helper = _wire.loads(payload.data, payload.buffers)
     assert helper.__code__.co_filename == CELL
     assert linecache.getline(CELL, 6) == '    raise ValueError(f"bad value {y}")\n'
     assert linecache.getline(CELL, 1) == "\n"  # outside the function: not shipped
@@ -88,13 +88,13 @@ def test_code_by_value_keeps_its_file_name_and_brings_its_lines(cell: dict[str, 
 
 @pytest.mark.timeout(60)
 def test_lines_of_code_shipped_apart_add_up(cell: dict[str, Any]) -> None:
-    helper = _codec.dumps(cell["helper"])
-    twice = _codec.dumps(cell["twice"])
+    helper = _wire.dumps(cell["helper"])
+    twice = _wire.dumps(cell["twice"])
     del linecache.cache[CELL]
-    _codec.loads(twice.data, twice.buffers)
+    _wire.loads(twice.data, twice.buffers)
     assert linecache.getline(CELL, 20) == "    return 2 * x\n"
     assert linecache.getline(CELL, 6) == "\n"
-    _codec.loads(helper.data, helper.buffers)
+    _wire.loads(helper.data, helper.buffers)
     assert linecache.getline(CELL, 6) == '    raise ValueError(f"bad value {y}")\n'
     assert linecache.getline(CELL, 20) == "    return 2 * x\n"
 
@@ -137,7 +137,7 @@ async def test_amesh_debug_keeps_amesh_frames(cell: dict[str, Any]) -> None:
 def _pickling_error() -> TypeError:
     """An error raised inside amesh (its traceback has amesh's frames)."""
     try:
-        _codec.dumps(threading.Lock())
+        _wire.dumps(threading.Lock())
     except TypeError as exc:
         return exc
     raise AssertionError("a lock pickled")
@@ -146,7 +146,7 @@ def _pickling_error() -> TypeError:
 def test_format_traceback_leaves_amesh_out_of_causes_and_groups() -> None:
     def user() -> None:
         try:
-            _codec.dumps(threading.Lock())
+            _wire.dumps(threading.Lock())
         except TypeError as exc:
             raise ExceptionGroup("both", [_pickling_error(), ValueError("a")]) from exc
 
@@ -156,7 +156,7 @@ def test_format_traceback_leaves_amesh_out_of_causes_and_groups() -> None:
     assert "in user" in text and "in _pickling_error" in text and "ValueError: a" in text
     assert text.count("TypeError: cannot pickle '_thread.lock' object") == 2
     assert AMESH_DIR not in text
-    assert f"{AMESH_DIR}/_codec.py" in format_traceback(info.value, with_amesh=True)
+    assert f"{AMESH_DIR}/_wire/_pickling.py" in format_traceback(info.value, with_amesh=True)
 
 
 # -- timeouts and arguments --------------------------------------------------------------

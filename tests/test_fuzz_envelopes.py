@@ -31,7 +31,7 @@ from anyio.abc import TaskGroup
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from amesh import Failure, ProcMesh, _codec, _wire
+from amesh import Failure, ProcMesh, _wire
 from amesh._model import AGENT_KEY
 from amesh._runtime import Runtime, current_runtime
 from amesh._transport import open_transport
@@ -56,7 +56,7 @@ BARRIERS = range(BARRIER, BARRIER + 2**24)
 #: How many calls name a different sender that does not exist, each.
 NOBODIES = 3000
 
-EMPTY_ARGS = _codec.dumps(((), {})).data
+EMPTY_ARGS = _wire.dumps(((), {})).data
 TAGS = ["call", "cast", "reply", "relay", "error", "gathered", "prune", "credit", "cancel"]
 TAGS += ["ready", "failure", "hb", "died", "output"]
 #: every envelope type (each must come up in the examples)
@@ -289,7 +289,7 @@ class World:
         worker's agent: its statistics; the controller: that it has no such actor)."""
         reply = await self.peer.call(self.worker, AGENT_KEY, "statistics")
         assert isinstance(reply, _wire.Reply), reply
-        stats: dict[str, Any] = _codec.loads(reply.payload)
+        stats: dict[str, Any] = _wire.loads(reply.payload)
         error = await self.peer.call(self.controller, "nobody-here", "x")
         assert isinstance(error, _wire.Error) and error.type_name == _wire.NO_ACTOR, error
         return stats

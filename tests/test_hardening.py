@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from amesh import ActorError, ProcMesh, _codec, _wire
+from amesh import ActorError, ProcMesh, _wire
 from amesh._ratelog import RateLimitedLog
 from amesh._runtime import current_runtime
 from amesh._transport import StreamTransport
@@ -101,8 +101,8 @@ async def test_forged_replies_are_refused() -> None:
                 await c.wait_started.call_one()
                 (pending,) = [p for p in rt.calls.pending.values() if p.targets]
                 in_flight, (worker,) = pending.call_id, pending.targets.values()
-                forged = _codec.dumps("forged")
-                data, lengths, parts = _wire.pack(forged.data, forged.buffers)
+                forged = _wire.dumps("forged")
+                data, lengths, parts = forged.inline, forged.lengths, forged.parts
                 mole = StreamTransport()
                 try:
                     ids = sorted({in_flight, *range(1, 3000)})

@@ -204,9 +204,9 @@ async def test_direct_requests_after_a_full_link_wait_for_it_and_go_in_order() -
     link takes its frame; once one is full, the rest of them wait for it, then go,
     each to its own rank, and every one is counted as sent."""
     from amesh import _wire
-    from amesh._codec import plain_payload
     from amesh._runtime._calls import Calls
     from amesh._runtime._router import Router
+    from amesh._wire import plain_payload
 
     class Links:
         def __init__(self) -> None:

@@ -4,7 +4,7 @@ Random nested values mix ordinary Python objects with buffers (bytes, bytearrays
 memoryviews, numpy arrays and torch tensors, contiguous or not) of sizes around the
 thresholds that matter: 16 KiB (a pickle travels beside the envelope), 64 KiB (a buffer
 leaves the pickle; a frame is sent as parts). They must come back equal, with the same
-types and the same sharing, through :func:`_codec.dumps`/:func:`_codec.loads` and
+types and the same sharing, through :func:`_wire.dumps`/:func:`_wire.loads` and
 through a whole frame: encoded, then delivered joined or through the stream reader.
 """
 
@@ -22,13 +22,13 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from amesh import _codec, _wire, configure
+from amesh import _wire, configure
 from amesh._transport._stream_framing import HEADER, HLEN, Buf, Reader, byte_view
 
 pytestmark = pytest.mark.timeout(120)
 
 KIB = 1024
-OOB = _codec.OOB_THRESHOLD
+OOB = _wire.OOB_THRESHOLD
 #: Frames of at most this many bytes are encoded as one bytes object (``_wire``).
 JOIN_LIMIT = 64 * KIB
 
@@ -262,7 +262,7 @@ def unique(value: Any) -> list[Any]:
     return list({id(b): b for b in walk(value)}.values())
 
 
-def check_payload(value: Any, p: _codec.Payload) -> None:
+def check_payload(value: Any, p: _wire.Payload) -> None:
     """Every buffer of 64 KiB or more left the pickle, as one part per object."""
     bufs = unique(value)
     assert sorted(b.nbytes for b in p.buffers) == sorted(
@@ -298,18 +298,18 @@ def in_memory_of(obj: Any, frame: Buf) -> bool:
 @EXAMPLES
 @given(values())
 def test_dumps_loads_round_trip(value: Any) -> None:
-    p = _codec.dumps(value)
+    p = _wire.dumps(value)
     check_payload(value, p)
-    got = _codec.loads(p.data, p.buffers)
+    got = _wire.loads(p.data, p.buffers)
     assert_same(value, got)
     assert_same_sharing(value, got)
     # A payload inside another (spawn arguments) keeps its buffers out of band, and
     # its pickle too where that is large.
-    outer = _codec.dumps(("args", p))
+    outer = _wire.dumps(("args", p))
     sent = [b.nbytes for b in p.buffers] + ([len(p.data)] if len(p.data) >= OOB else [])
     assert sorted(b.nbytes for b in outer.buffers) == sorted(sent)
-    inner = _codec.loads(outer.data, outer.buffers)[1]
-    assert_same(value, _codec.loads(inner.data, inner.buffers))
+    inner = _wire.loads(outer.data, outer.buffers)[1]
+    assert_same(value, _wire.loads(inner.data, inner.buffers))
 
 
 def envelope(kind: str, data: bytes, lengths: list[int]) -> _wire.Envelope:
@@ -321,8 +321,8 @@ def envelope(kind: str, data: bytes, lengths: list[int]) -> _wire.Envelope:
 @EXAMPLES
 @given(values(), st.sampled_from(["call", "reply"]), st.data())
 def test_frames_round_trip(value: Any, kind: str, data: st.DataObject) -> None:
-    p = _codec.dumps(value)
-    payload, lengths, parts = _wire.pack(p.data, p.buffers)
+    p = _wire.dumps(value)
+    payload, lengths, parts = p.inline, p.lengths, p.parts
     # The pickle travels in the envelope, or (from 16 KiB) as the first part.
     if len(p.data) < _wire.INLINE_LIMIT:
         assert payload == p.data and parts == p.buffers
@@ -345,7 +345,7 @@ def test_frames_round_trip(value: Any, kind: str, data: st.DataObject) -> None:
         assert got_env == env
         assert [len(b) for b in bufs] == lengths
         assert [bytes(b) for b in bufs] == [bytes(b) for b in parts]
-        return _codec.loads(*_wire.unpack(got_env.payload, bufs))
+        return _wire.loads(got_env.payload, bufs)
 
     # Delivered joined, as one bytes object (the in-memory and NNG transports).
     joined = b"".join(frame) if isinstance(frame, list) else frame
@@ -402,12 +402,12 @@ def shm_threshold(n: int) -> Iterator[None]:
 def test_shared_memory_round_trip(value: Any, threshold: int) -> None:
     with shm_threshold(threshold):
         try:
-            p = _codec.dumps(value, shm=True)
+            p = _wire.dumps(value, shm=True)
             # Only buffers under the threshold stay in the frame.
             assert all(b.nbytes < threshold for b in p.buffers)
-            got = _codec.loads(p.data, p.buffers)
-            assert _codec.release_segments() == 0  # loading consumed every segment
+            got = _wire.loads(p.data, p.buffers)
+            assert _wire.release_segments() == 0  # loading consumed every segment
         finally:
-            _codec.release_segments()
+            _wire.release_segments()
     assert_same(value, got)
     assert_same_sharing(value, got)

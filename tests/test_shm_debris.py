@@ -17,7 +17,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from amesh import ProcMesh, _codec
+from amesh import ProcMesh, _identity, _wire
+from amesh._wire import _segments
 from amesh.testing._leaks import descendant_pids
 
 from .shm_debris_helper import MIB, Echo
@@ -36,7 +37,7 @@ MAX_AFTER = 40
 def _release() -> Iterator[None]:
     """A failing test must not fail the next ones by leaving its own segments behind."""
     yield
-    _codec.release_segments()
+    _wire.release_segments()
 
 
 def job_segments(
@@ -45,9 +46,9 @@ def job_segments(
     """The segments of job ``job`` (this process's by default) in ``where``; without
     ``pooled``, not those handed back to a live sender for its next message (``.free``:
     they go when its runtime closes, which the leak check after each test sees)."""
-    prefix = f"amesh-{job}-" if job is not None else _codec.segment_prefix()
+    prefix = f"amesh-{job}-" if job is not None else _wire.segment_prefix()
     try:
-        names = os.listdir(where or _codec.shm_dir())
+        names = os.listdir(where or _wire.shm_dir())
     except FileNotFoundError:
         return set()
     return {n for n in names if n.startswith(prefix) and (pooled or not n.endswith(".free"))}
@@ -57,7 +58,7 @@ def job_segments(
 
 
 def own_owner() -> tuple[int, int, int]:
-    pid, start, ns = (int(x) for x in _codec._owner().split("."))
+    pid, start, ns = (int(x) for x in _wire.this_process().split("."))
     return pid, start, ns
 
 
@@ -72,7 +73,7 @@ def free_pid() -> int:
 
 
 def test_segment_names_say_job_and_owner() -> None:
-    p = _codec.dumps((bytes(2 * MIB), bytearray(MIB)), shm=True)
+    p = _wire.dumps((bytes(2 * MIB), bytearray(MIB)), shm=True)
     assert len(p.segments) == 2
     pid, start, ns = own_owner()
     assert pid == os.getpid() and start > 0 and ns > 0
@@ -80,11 +81,11 @@ def test_segment_names_say_job_and_owner() -> None:
         assert int(f.read().rsplit(b")", 1)[1].split()[19]) == start
     for path in p.segments:
         where, name = os.path.split(path)
-        assert where == _codec.shm_dir()
-        assert name.startswith(f"{_codec.segment_prefix()}{pid}.{start}.{ns}-")
-    assert len(_codec.job_id()) == 10 and _codec.job_id().isdigit()
-    assert _codec.release_payload(p) == 2
-    assert _codec.release_payload(p) == 0
+        assert where == _wire.shm_dir()
+        assert name.startswith(f"{_wire.segment_prefix()}{pid}.{start}.{ns}-")
+    assert len(_identity.job_id()) == 10 and _identity.job_id().isdigit()
+    assert _wire.release_payload(p) == 2
+    assert _wire.release_payload(p) == 0
     assert job_segments() == set()
 
 
@@ -92,7 +93,7 @@ def test_sweep_removes_only_segments_of_ended_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AMESH_SHM_DIR", str(tmp_path))
-    job = _codec.job_id()
+    job = _identity.job_id()
     pid, start, ns = own_owner()
     gone = free_pid()
     kept = {
@@ -118,23 +119,23 @@ def test_sweep_removes_only_segments_of_ended_processes(
     target = tmp_path / "target"
     target.write_bytes(b"x")
     (tmp_path / a_link).symlink_to(target)
-    assert _codec.sweep_segments() == len(removed)
+    assert _wire.sweep_segments() == len(removed)
     assert set(os.listdir(tmp_path)) == kept | specials | {"target"}
-    assert _codec.sweep_segments() == 0
+    assert _wire.sweep_segments() == 0
 
 
 def test_remove_segments_of_spares_a_reused_pid(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AMESH_SHM_DIR", str(tmp_path))
-    job = _codec.job_id()
+    job = _identity.job_id()
     pid, start, ns = own_owner()
     live = segment_name(job, pid, start, ns)
     earlier = segment_name(job, pid, start - 1, ns)  # a process with this pid before us
     other = segment_name(job, free_pid(), start, ns)
     for name in (live, earlier, other):
         (tmp_path / name).write_bytes(b"x")
-    assert _codec.remove_segments_of(pid) == 1
+    assert _wire.remove_segments_of(pid) == 1
     assert set(os.listdir(tmp_path)) == {live, other}
 
 
@@ -145,7 +146,7 @@ def test_remove_segments_of_catches_a_segment_handed_back_after_the_listing(
     ``.free`` (back to its sender) between the cleanup's listing and its unlink: the
     cleanup removes it under that name."""
     monkeypatch.setenv("AMESH_SHM_DIR", str(tmp_path))
-    job = _codec.job_id()
+    job = _identity.job_id()
     _, start, ns = own_owner()
     gone = free_pid()
     loaded, unread, back = (segment_name(job, gone, start, ns, n) for n in range(3))
@@ -159,50 +160,50 @@ def test_remove_segments_of_catches_a_segment_handed_back_after_the_listing(
         os.rename(tmp_path / loaded, tmp_path / (loaded + ".free"))
         return names
 
-    monkeypatch.setattr(_codec.os, "listdir", listing_then_a_receiver_renames)
-    assert _codec.remove_segments_of(gone) == 3
+    monkeypatch.setattr(_segments.os, "listdir", listing_then_a_receiver_renames)
+    assert _wire.remove_segments_of(gone) == 3
     assert listdir(tmp_path) == []
 
 
 def reference(path: str) -> bytes:
     """A pickle that loads segment ``path``, as dumps() writes it."""
-    return pickle.PROTO + bytes((5,)) + _codec._segment_ref(path, 0) + pickle.STOP
+    return pickle.PROTO + bytes((5,)) + _segments.segment_ref(path, 0) + pickle.STOP
 
 
 def test_discard_segments_unlinks_only_this_jobs_segments(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    p = _codec.dumps({"a": bytes(2 * MIB), "b": [bytearray(MIB)], "small": b"s"}, shm=True)
+    p = _wire.dumps({"a": bytes(2 * MIB), "b": [bytearray(MIB)], "small": b"s"}, shm=True)
     assert len(job_segments()) == 2
-    assert _codec.discard_segments(memoryview(p.data)) == 2
+    assert _wire.discard_segments(memoryview(p.data)) == 2
     assert job_segments() == set()
-    assert _codec.discard_segments(p.data) == 0  # gone already
-    assert _codec.discard_segments(_codec.dumps(bytes(2 * MIB)).data) == 0  # none in it
-    assert _codec.release_segments() == 0  # forgotten too
+    assert _wire.discard_segments(p.data) == 0  # gone already
+    assert _wire.discard_segments(_wire.dumps(bytes(2 * MIB)).data) == 0  # none in it
+    assert _wire.release_segments() == 0  # forgotten too
 
     where = tmp_path / "shm"
     where.mkdir()
     monkeypatch.setenv("AMESH_SHM_DIR", str(where))
     pid, start, ns = own_owner()
-    ours = segment_name(_codec.job_id(), pid, start, ns)
+    ours = segment_name(_identity.job_id(), pid, start, ns)
     elsewhere = tmp_path / ours  # named like ours, but not in shm_dir()
     foreign = segment_name("0000000001", pid, start, ns)  # another job's
     for path in (where / ours, elsewhere, where / foreign, where / "amesh-victim"):
         path.write_bytes(b"x")
     for bad in (elsewhere, where / foreign, where / "amesh-victim", f"{where}/./{ours}"):
-        assert _codec.discard_segments(reference(str(bad))) == 0
+        assert _wire.discard_segments(reference(str(bad))) == 0
     assert sorted(os.listdir(where)) == sorted([ours, foreign, "amesh-victim"])
     # bytes that only look like a reference count only when complete
-    assert _codec.discard_segments(reference(str(where / ours))[:-3]) == 0
-    assert _codec.discard_segments(reference(str(where / ours))) == 1
+    assert _wire.discard_segments(reference(str(where / ours))[:-3]) == 0
+    assert _wire.discard_segments(reference(str(where / ours))) == 1
     assert os.path.exists(elsewhere) and not os.path.exists(where / ours)
     # a path of 256 bytes or more is written with another opcode (BINUNICODE)
     long_dir = where / ("d" * 250)
     long_dir.mkdir()
     monkeypatch.setenv("AMESH_SHM_DIR", str(long_dir))
-    p = _codec.dumps(bytes(2 * MIB), shm=True)
+    p = _wire.dumps(bytes(2 * MIB), shm=True)
     assert len(p.segments[0]) >= 256
-    assert _codec.discard_segments(p.data) == 1
+    assert _wire.discard_segments(p.data) == 1
     assert os.listdir(long_dir) == []
 
 

@@ -11,8 +11,9 @@ import anyio
 import numpy as np
 import pytest
 
-from amesh import Actor, ProcMesh, _codec, current_rank, endpoint
+from amesh import Actor, ProcMesh, current_rank, endpoint
 from amesh._runtime import current_runtime
+from amesh._wire import _pickling
 
 pytestmark = pytest.mark.anyio
 
@@ -51,14 +52,14 @@ async def test_a_call_to_several_ranks_writes_large_arguments_once(
 ) -> None:
     monkeypatch.setenv("AMESH_SHM_DIR", str(tmp_path))
     made: list[str] = []
-    create = _codec._create_segment
+    create = _pickling.create_segment
 
     def counted(view: memoryview, poolable: bool = False) -> tuple[str | None, bool]:
         path, pooled = create(view, poolable)
         made.append(str(path))
         return path, pooled
 
-    monkeypatch.setattr(_codec, "_create_segment", counted)
+    monkeypatch.setattr(_pickling, "create_segment", counted)
     weights = _weights()
     want = float(sum(float(w.sum()) for w in weights.values()))
     with anyio.fail_after(60):

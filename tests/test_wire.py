@@ -11,9 +11,10 @@ from anyio.abc import TaskGroup
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amesh import ProcMesh, ProtocolError, _codec, _wire
+from amesh import ProcMesh, ProtocolError, _wire
 from amesh._model import AGENT_KEY
 from amesh._transport import open_transport
+from amesh._wire import _envelopes
 
 from .actors import Counter
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.anyio
 
 
 def _stats_call(reply_to: str, call_id: int) -> bytes:
-    payload = _codec.dumps(((), {})).data
+    payload = _wire.dumps(((), {})).data
     return _wire.join(
         _wire.encode(
             _wire.Call(reply_to, call_id, 0, AGENT_KEY, "statistics", ["procs"], [1], payload)
@@ -51,11 +52,19 @@ def test_wire_roundtrip_and_rejects() -> None:
     got, bufs = _wire.decode(_wire.join(parts))
     assert got == big and [bytes(b) for b in bufs] == [blob, b"de"]
     # a large pickle travels as the first buffer, and comes back from there
-    pickle_bytes = b"q" * _wire.INLINE_LIMIT
-    inline, lengths, out = _wire.pack(pickle_bytes, [b"zz"])
-    assert inline == b"" and lengths == [len(pickle_bytes), 2] and out[0] is pickle_bytes
-    assert _wire.unpack(inline, out) == (pickle_bytes, [b"zz"])
-    assert _wire.pack(b"small", [b"zz"]) == (b"small", [2], [b"zz"])
+    large = _wire.dumps((b"q" * _wire.INLINE_LIMIT, bytearray(b"z" * _wire.OOB_THRESHOLD)))
+    assert len(large.data) >= _wire.INLINE_LIMIT and len(large.buffers) == 1
+    assert large.inline == b"" and large.parts[0] is large.data
+    assert large.lengths == [len(large.data), _wire.OOB_THRESHOLD]
+    assert (
+        _wire.loads(large.inline, large.parts)
+        == large.load()
+        == _wire.loads(large.data, large.buffers)
+    )
+    small = _wire.dumps((b"small", bytearray(b"z" * _wire.OOB_THRESHOLD)))
+    assert small.inline == small.data and small.lengths == [_wire.OOB_THRESHOLD]
+    assert small.parts == small.buffers
+    assert small.load() == (b"small", bytearray(b"z" * _wire.OOB_THRESHOLD))
     with pytest.raises(_wire.BadFrame, match="truncated"):
         _wire.decode(_wire.join(parts)[:-1])
     with pytest.raises(_wire.BadFrame, match="stray"):
@@ -99,7 +108,7 @@ async def test_garbage_and_truncated_frames_are_dropped_and_counted() -> None:
                 good = _wire.join(
                     _wire.encode(
                         _wire.Cast(
-                            me, 1, 0, c.key, "incr", ["procs"], [1], _codec.dumps(((), {})).data
+                            me, 1, 0, c.key, "incr", ["procs"], [1], _wire.dumps(((), {})).data
                         )
                     )
                 )
@@ -111,7 +120,7 @@ async def test_garbage_and_truncated_frames_are_dropped_and_counted() -> None:
                 tg.cancel_scope.cancel()
             peer.transport.close()
             assert isinstance(reply, _wire.Reply) and reply.call_id == 77
-            stats = _codec.loads(reply.payload)
+            stats = _wire.loads(reply.payload)
             assert stats["frames_dropped"] == 3
             assert stats["bad_version"] == 0
             # the worker is healthy and the truncated cast did nothing
@@ -139,7 +148,7 @@ async def test_unknown_protocol_version_gets_a_clear_error() -> None:
                 tg.cancel_scope.cancel()
             peer.transport.close()
             assert isinstance(stats_reply, _wire.Reply)
-            stats = _codec.loads(stats_reply.payload)
+            stats = _wire.loads(stats_reply.payload)
             assert stats["bad_version"] == 1
             assert await c.incr.call_one() == 1
 
@@ -230,7 +239,7 @@ def test_the_c_codec_is_in_use() -> None:
 def test_the_c_decoder_takes_exactly_what_the_python_one_takes(frame: bytes, kind: Any) -> None:
     """For any frame, in any buffer, the C decoder returns what the Python decoder
     returns, or None where the Python decoder raises."""
-    want = _same(_wire._try_decode(frame))
+    want = _same(_envelopes._try_decode(frame))
     got = _wire.try_decode(kind(frame))
     assert _same(got) == want
     if got is not None:
@@ -242,7 +251,7 @@ def test_the_c_decoder_takes_exactly_what_the_python_one_takes(frame: bytes, kin
 def test_the_c_encoder_makes_the_python_ones_frames() -> None:
     for env in _ENVELOPES:
         frame = _wire.encode_envelope(env)
-        assert frame == _wire._encode_envelope(env) == _wire.join(_wire.encode(env, []))
+        assert frame == _envelopes._encode_envelope(env) == _wire.join(_wire.encode(env, []))
         tail = bytes(sum(getattr(env, "buffers", None) or []))
         assert _wire.decode(frame + tail)[0] == env
     with pytest.raises(TypeError):
@@ -258,7 +267,7 @@ def test_the_c_decoder_refuses_to_leave_the_frame_s_memory_behind() -> None:
 
     def keep(view: memoryview) -> Any:
         kept.append(view)
-        return _wire._decoder.decode(view)
+        return _envelopes._decoder.decode(view)
 
     frame = _wire.join(_wire.encode(_ENVELOPES[3]))
     with pytest.raises(RuntimeError, match="kept"):
@@ -272,10 +281,10 @@ def test_the_c_decoder_refuses_to_leave_the_frame_s_memory_behind() -> None:
 
     for check in (boom, lambda env: "wrong"):
         decoder = _ext.EnvelopeDecoder(
-            _wire.MAGIC + bytes([_wire.VERSION]), _wire._decoder.decode, {_wire.Reply: check}
+            _wire.MAGIC + bytes([_wire.VERSION]), _envelopes._decoder.decode, {_wire.Reply: check}
         )
         assert decoder(frame) is None
     with pytest.raises(ValueError):
-        _ext.EnvelopeDecoder(b"", _wire._decoder.decode, {})
+        _ext.EnvelopeDecoder(b"", _envelopes._decoder.decode, {})
     with pytest.raises(TypeError):
-        _ext.EnvelopeDecoder(b"AM\x03", _wire._decoder.decode, {})(frame, frame)
+        _ext.EnvelopeDecoder(b"AM\x03", _envelopes._decoder.decode, {})(frame, frame)

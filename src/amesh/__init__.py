@@ -1,7 +1,7 @@
 """amesh: drive meshes of worker processes and actors from one async controller.
 
 The public API is re-exported here from private modules; the layers, lowest first:
-``_transport`` (frames between processes), ``_wire``/``_codec`` (envelopes, payloads),
+``_transport`` (frames between processes), ``_wire`` (envelopes, payloads),
 ``_runtime`` (router, mailboxes, pending calls), ``_model`` (actors, endpoints, actor
 and value meshes, restart policies), ``_mesh`` (ProcMesh, its lifecycle and
 supervisor), ``_worker`` (a worker's main) and ``_hosts`` (where processes come

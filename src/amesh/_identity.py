@@ -15,13 +15,17 @@ made with any of its keys (:func:`held_keys`); it proves itself with the key of 
 address it dials (:func:`key_for`): one given with :func:`hold_key`, or the one a peer
 at that address proved itself with, else the job key.
 
+The job's id (:func:`job_id`, 10 digits from a hash of the key) names the job where
+others can see it: in the names of its shared-memory segments.
+
 This module is below the transport, which proves the key to peers
 (:mod:`amesh._transport._auth`), and the wire, which names the job in what it shares
-(:mod:`amesh._codec`): both take the key from here.
+(:mod:`amesh._wire`): both take the key and the id from here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -39,6 +43,7 @@ __all__ = [
     "has_key",
     "held_keys",
     "hold_key",
+    "job_id",
     "job_key",
     "key_for",
     "read_key_file",
@@ -53,6 +58,8 @@ _key_lock = threading.Lock()
 _other_keys: list[bytes] = []
 #: address -> the key (not the job key) to prove ourselves with when dialling it
 _dial_keys: dict[str, bytes] = {}
+_JOB_TAG = b"amesh shm job v1\0"
+_job: tuple[bytes, str] | None = None  # (job key, its job id)
 
 
 def has_key() -> bool:
@@ -74,6 +81,18 @@ def job_key() -> bytes:
                 _key = fresh
             key = _key
     return key
+
+
+def job_id() -> str:
+    """This job's id in segment names: 10 digits from a hash of the job key, the same in
+    the controller and every process it started (workers adopt its key)."""
+    global _job
+    key = job_key()
+    cached = _job
+    if cached is None or cached[0] is not key:
+        digest = hashlib.sha256(_JOB_TAG + key).digest()
+        cached = _job = (key, f"{int.from_bytes(digest[:4], 'big'):010d}")
+    return cached[1]
 
 
 def write_key_file(path: str) -> None:

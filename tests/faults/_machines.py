@@ -14,7 +14,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from amesh import ActorError, ActorMesh, RestartPolicy, SupervisionError, _codec, _wire
+from amesh import ActorError, ActorMesh, RestartPolicy, SupervisionError, _wire
 from amesh._transport._stream_framing import HEADER, MAX_SIZE, is_stream_address, parse_address
 from amesh.testing import FaultyTransport, InProcessHost, MemoryTransport
 
@@ -87,7 +87,7 @@ class RealProcesses(MeshMachine):
     def _forged(self, rank: int) -> bytes:
         """A well-formed Cast to the first actor mesh's ``bump`` at ``rank``."""
         key = next(iter(self.meshes_by_key))
-        payload = _codec.dumps(((), {}))
+        payload = _wire.dumps(((), {}))
         cast = _wire.Cast(ATTACKER, 1, rank, key, "bump", ["x"], [N], payload.data)
         frame = _wire.join(_wire.encode(cast))
         return HEADER.pack(len(frame)) + frame

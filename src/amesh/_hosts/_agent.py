@@ -49,7 +49,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from .. import _codec, _limits
+from .. import _limits, _wire
 from .._bootstrap import WorkerSpec
 from .._config import settings
 from .._debug import current_listener, debug_env
@@ -293,7 +293,7 @@ class HostAgent(Actor):
             self._changed()
             log.info("worker %d exited (%s)", pid, child.process.returncode)
             # what it sent through shared memory that nobody took (it was killed)
-            _codec.remove_segments_of(pid)
+            _wire.remove_segments_of(pid)
             await child.process.aclose()
 
     def _changed(self) -> None:
@@ -432,7 +432,7 @@ class HostAgent(Actor):
                     self._changed()
                     # A controller on this host that was killed left its segments (its
                     # workers' go as each is reaped); remove whatever dead processes left.
-                    removed = _codec.sweep_segments()
+                    removed = _wire.sweep_segments()
                     if removed:
                         log.warning(
                             "removed %d shared-memory segment(s) of ended processes", removed

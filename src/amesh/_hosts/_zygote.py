@@ -41,7 +41,7 @@ Dying together:
   shared-memory segments either (results it held, calls in flight, its pool): the
   zygote kills and reaps its workers, waits (at most :data:`DEATH_WAIT`) until the
   controller has surely ended, and removes the segments of every process that has
-  (:func:`amesh._codec.sweep_segments`), before it exits. The signal it asks for at
+  (:func:`amesh._wire.sweep_segments`), before it exits. The signal it asks for at
   its parent's death (PR_SET_PDEATHSIG) is SIGCONT, not SIGKILL, which would kill it
   before that: it only wakes a stopped zygote (SIGSTOP, a terminal's Ctrl-Z) to do the
   same, and does nothing where the thread that started it ends before the process.

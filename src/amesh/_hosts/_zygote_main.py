@@ -28,7 +28,7 @@ try:
     from .._native import _ext
 except ImportError:  # not built (not Linux): no zygote runs anyway
     _ext = None  # type: ignore[assignment]
-from .. import _codec
+from .. import _wire
 from .._config import VARIABLES, loop_options, settings, take_internal
 from .._config import reset as reset_settings
 from .._limits import raise_open_files, raise_processes
@@ -152,7 +152,7 @@ class _Server:
         _shutdown(self.ctl, self.children)
         if not bye:
             select.select([self.controller], [], [], DEATH_WAIT)
-            removed = _codec.sweep_segments()
+            removed = _wire.sweep_segments()
             if removed:
                 log.info("removed %d shared-memory segment(s) of a killed job", removed)
         os.close(self.controller)

@@ -11,7 +11,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from .. import _codec, _limits
+from .. import _limits, _wire
 from .._bootstrap import WorkerSpec
 from .._config import default_transport, for_workers
 from .._errors import ActorError, Failure, SupervisionError
@@ -47,7 +47,7 @@ class Spawned:
     """How an actor mesh was made, so it can be made again on a restart."""
 
     mesh: ActorMesh[Any]
-    payload: _codec.Payload
+    payload: _wire.Payload
     policy: RestartPolicy | None
 
 
@@ -182,7 +182,7 @@ class Lifecycle:
                     if p is not None:
                         p.process.kill()
                         await p.stop(0)
-                        _codec.remove_segments_of(p.pid)
+                        _wire.remove_segments_of(p.pid)
             raise
         started = [p for p in procs if p is not None]
         printer = self.printer(rt)  # (the runtime kept their output until now)
@@ -262,7 +262,7 @@ class Lifecycle:
         for slot, p in enumerate(st.procs):
             rt.peers.unwatch(p.addr)
             rt.peer_failed(p.addr, failure_of(self.label, slot, p, "was stopped by its owner"))
-            _codec.remove_segments_of(p.pid)
+            _wire.remove_segments_of(p.pid)
         st.closed.set()
 
     def agents_of(self, procs: list[ProcHandle]) -> ActorMesh[ProcAgent]:

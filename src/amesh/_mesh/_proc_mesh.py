@@ -37,7 +37,7 @@ import anyio
 import sniffio
 from anyio.abc import TaskGroup
 
-from .. import _codec, _reload
+from .. import _reload, _wire
 from .._config import ConfigError, default_transport, for_mesh, heartbeats, warn_unknown
 from .._config import settings as process_settings
 from .._errors import ActorError, Failure, SupervisionError
@@ -405,7 +405,7 @@ class ProcMesh(MeshView):
         # Shared-memory segments of processes that ended without cleaning up: a killed
         # controller's workers die with it, so nobody else ever removes them. Once per
         # mesh (restarts need not look again).
-        _codec.sweep_segments()
+        _wire.sweep_segments()
         self._life.backend = self._backend or sniffio.current_async_library()
         if self._persistent and getattr(self._host, "mesh_name", None) != self.name:
             assert self.name is not None
@@ -439,7 +439,7 @@ class ProcMesh(MeshView):
         """What another controller needs to take this mesh over."""
         actors = []
         for key, sp in st.spawned.items():
-            cls = _codec.dumps(sp.mesh.actor_class)
+            cls = _wire.dumps(sp.mesh.actor_class)
             actors.append(
                 {
                     "name": sp.mesh.name,
@@ -507,14 +507,14 @@ class ProcMesh(MeshView):
             cls: type[Actor] = _Unknown
             try:
                 if a["cls"]:
-                    cls = _codec.loads(a["cls"])
+                    cls = _wire.loads(a["cls"])
             except Exception as exc:  # a module this process cannot import
                 log.info("cannot load the class of actor mesh %r: %s", a["name"], exc)
             mesh = ActorMesh(
                 a["name"], a["key"], cls, self._shape, st.addrs, self._fanout, self._group
             )
             mesh._owner = self
-            st.spawned[a["key"]] = Spawned(mesh, _codec.dumps((cls, (), {})), None)
+            st.spawned[a["key"]] = Spawned(mesh, _wire.dumps((cls, (), {})), None)
         self._supervise_state(st)
         assert self._sup is not None
         for key in st.spawned:
@@ -760,10 +760,10 @@ class ProcMesh(MeshView):
         except TypeError as exc:
             raise TypeError(f"{actor_class.__qualname__}(): {exc}") from None
         try:
-            payload = _codec.dumps((actor_class, args, kwargs))
+            payload = _wire.dumps((actor_class, args, kwargs))
         except TypeError as exc:
             try:
-                _codec.dumps(actor_class)
+                _wire.dumps(actor_class)
             except TypeError as bad:
                 raise TypeError(
                     f"cannot pickle {actor_class.__qualname__}: {bad.__cause__ or bad}"

@@ -14,7 +14,7 @@ import logging
 
 import anyio
 
-from .. import _codec
+from .. import _wire
 from .._errors import Failure
 from .._model import Supervisor, call_hook, call_supervisor
 from .._runtime import ActorInstance
@@ -102,7 +102,7 @@ class MeshSupervisor:
         await handle.process.wait()
         # shared-memory segments it sent that nobody took (a killed process never
         # cleans up after itself)
-        _codec.remove_segments_of(handle.pid)
+        _wire.remove_segments_of(handle.pid)
         if st.closing or handle.expected_exit or handle.failed:
             return
         handle.failed = True

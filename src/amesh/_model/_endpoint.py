@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 import anyio
 
-from .. import _codec, _wire
+from .. import _wire
 from .._errors import ActorError, DeadlockError, Failure, ProtocolError, SupervisionError
 from .._runtime import Payloads, Pending, Stream, bridged, current_runtime, is_local, rank_label
 from .._shape import Point
@@ -96,7 +96,7 @@ class _RankArgs:
 
     __slots__ = ("elements", "shared")
 
-    def __init__(self, shared: _codec.Payload, elements: list[tuple[int | str, Any]]) -> None:
+    def __init__(self, shared: _wire.Payload, elements: list[tuple[int | str, Any]]) -> None:
         self.shared = shared
         self.elements = elements
 
@@ -105,10 +105,10 @@ class _RankArgs:
 
 
 def _rank_args(
-    shared: _codec.Payload, elements: list[tuple[int | str, Any]]
+    shared: _wire.Payload, elements: list[tuple[int | str, Any]]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """What a receiver unpickles for a :class:`_RankArgs`."""
-    args, kwargs = _codec.loads(shared.data, shared.buffers)
+    args, kwargs = shared.load()
     return _place(args, kwargs, elements)
 
 
@@ -122,7 +122,7 @@ def unpicklable(
     what, why = "the arguments", exc.__cause__ or exc
     for name, value in named:
         try:
-            _codec.dumps(value)
+            _wire.dumps(value)
         except TypeError as one:
             what, why = f"argument {name}", one.__cause__ or one
             break
@@ -203,7 +203,7 @@ class MeshEndpoint(Generic[P, R]):
         self._desc.bind_check(args, kwargs)
         # a few builtins (most calls): pickled at once, never through shared memory
         # (and none of them a ValueMesh to scatter)
-        plain = _codec.dumps_args(args, kwargs)
+        plain = _wire.dumps_args(args, kwargs)
         if plain is not None:
             return plain
         keys = _scattered(args, kwargs)
@@ -220,7 +220,7 @@ class MeshEndpoint(Generic[P, R]):
             return payload
         # several receivers: written once, each maps it by a name of its own
         try:
-            return _codec.for_receivers(payload, list(targets))
+            return _wire.for_receivers(payload, list(targets))
         except OSError:
             return self._dump_args(args, kwargs, False)
 
@@ -244,9 +244,9 @@ class MeshEndpoint(Generic[P, R]):
             return self._dump_args(*_place(args, kwargs, own(rank)), shm and is_local(addr))
         shared = self._dump_args(*_place(args, kwargs, [(key, None) for key in keys]), False)
 
-        def dump(rank: int, addr: str) -> _codec.Payload:
+        def dump(rank: int, addr: str) -> _wire.Payload:
             try:
-                return _codec.dumps(_RankArgs(shared, own(rank)), shm=shm and is_local(addr))
+                return _wire.dumps(_RankArgs(shared, own(rank)), shm=shm and is_local(addr))
             except TypeError:
                 self._dump_args(*_place(args, kwargs, own(rank)), False)  # names the culprit
                 raise
@@ -280,9 +280,7 @@ class MeshEndpoint(Generic[P, R]):
             return repr(params[key].name)
         return f"#{key} (positional)"
 
-    def _dump_args(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], shm: bool
-    ) -> _codec.Payload:
+    def _dump_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], shm: bool) -> _wire.Payload:
         """Pickle a call's arguments.
 
         Raises:
@@ -290,7 +288,7 @@ class MeshEndpoint(Generic[P, R]):
                 arguments pickled one by one, to find it).
         """
         try:
-            return _codec.dumps((args, kwargs), shm=shm)
+            return _wire.dumps((args, kwargs), shm=shm)
         except TypeError as exc:
             where = f"{self._mesh.name}.{self._desc.name}"
             raise unpicklable(args, kwargs, where, exc) from None
@@ -540,7 +538,7 @@ class _Call:
             rank, ok, value = await self._next(pending)
         if not ok:
             self._ep._raise(rank, value)
-        return rank, _codec.loads(*value)
+        return rank, _wire.loads(*value)
 
     async def _next(self, pending: Pending) -> tuple[int, bool, Any]:
         """The next reply as ``pending`` holds it, before the deadline."""

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from .. import _codec, _reload
+from .. import _reload, _wire
 from .._bootstrap import WorkerSpec, this_worker
 from .._runtime import (
     ActorInstance,
@@ -61,7 +61,7 @@ class ProcAgent(Actor):
         self,
         key: str,
         name: str,
-        payload: _codec.Payload,
+        payload: _wire.Payload,
         owner: str,
         labels: list[str],
         sizes: list[int],
@@ -76,7 +76,7 @@ class ProcAgent(Actor):
         """
         rt = current_runtime()
         old = self._retired.pop(name, None)
-        cls, args, kwargs = _codec.loads(payload.data, payload.buffers)
+        cls, args, kwargs = payload.load()
         ctx = call_context.get()
         assert ctx is not None
         rank = ranks[ctx.point.rank]

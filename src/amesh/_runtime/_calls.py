@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from .. import _codec, _wire
+from .. import _wire
 from .._errors import Failure, SupervisionError
 from .._ratelog import RateLimitedLog
 from ._context import native_wakeup_class
@@ -21,8 +21,8 @@ _refusals = RateLimitedLog(logging.getLogger("amesh.runtime"))
 class Pending:
     """Replies to one outgoing call, in arrival order.
 
-    Items are ``(rank, ok, value)``: ``value`` is ``(pickle bytes, buffers)`` when
-    ``ok``, else the exception to raise.
+    Items are ``(rank, ok, value)``: ``value`` is the reply's ``(payload, buffers)``
+    (what :func:`amesh._wire.loads` takes) when ``ok``, else the exception to raise.
     """
 
     __slots__ = (
@@ -56,7 +56,7 @@ class Pending:
         #: call, see :meth:`request_id`); its replies still come for ``call_id``
         self.ids: dict[int, int] = {}
         #: the call's arguments, while they have shared-memory segments
-        self.payload: _codec.Payload | None = None
+        self.payload: _wire.Payload | None = None
 
     def push(self, rank: int, ok: bool, value: Any) -> None:
         if self.targets.pop(rank, None) is None:
@@ -166,10 +166,10 @@ class Calls:
         # (a receiver that has not loaded them by now never will).
         for _, ok, value in pending.items:
             if ok:
-                _codec.discard_segments(value[0])
+                _wire.discard_segments(*value)
         pending.items.clear()
         if pending.payload is not None:
-            _codec.release_payload(pending.payload)
+            _wire.release_payload(pending.payload)
             pending.payload = None
 
     def in_flight(self, addr: str, actor: str) -> int:
@@ -237,7 +237,7 @@ class Calls:
             return True
         self.dec_inflight(addr, pending.actor)
         if type(env) is _wire.Reply:
-            pending.push(env.rank, True, _wire.unpack(env.payload, buffers))
+            pending.push(env.rank, True, (env.payload, buffers))
         else:
             pending.push(env.rank, False, env)
         return True

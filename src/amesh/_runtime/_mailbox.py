@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 from anyio.abc import TaskGroup
 
-from .. import _codec, _wire
+from .. import _wire
 from .._config import debug
 from .._tracebacks import format_traceback
 from ._capture import before_reply
@@ -132,7 +132,7 @@ def cheap_to_pickle(obj: Any) -> bool:
     """True if pickling ``obj`` surely takes microseconds: scalars, strings, byte
     buffers (they travel out of band), arrays and tensors, and small containers of
     those. Anything else (big containers, arbitrary objects) may take seconds."""
-    return _codec.small_tree(obj, _CHEAP_NODES, _cheap_leaf)
+    return _wire.small_tree(obj, _CHEAP_NODES, _cheap_leaf)
 
 
 class Owned(Protocol):
@@ -180,14 +180,14 @@ def error_of(exc: BaseException) -> tuple[str, str, str]:
 
 def _run_in_thread(
     fn: Callable[..., Any], obj: Any, args: Any, kwargs: Any, reply: bool, shm: bool
-) -> tuple[Any, _codec.Payload | None]:
+) -> tuple[Any, _wire.Payload | None]:
     """Run a threaded endpoint, and pickle its result if it goes in a reply."""
     try:
         result = fn(obj, *args, **kwargs)
     finally:
         if handler_local.ends:  # a debugger session ends with the handler
             end_direct()
-    return result, (_codec.dumps(result, shm=shm) if reply else None)
+    return result, (_wire.dumps(result, shm=shm) if reply else None)
 
 
 #: What :meth:`Invocation.step` leaves to its continuation for a result that may take
@@ -249,13 +249,13 @@ class Invocation:
         self.shm = type(env) is _wire.Call and is_local_cached(env.reply_to or env.sender)
         token = call_context.set(ctx)
         result: Any = None
-        payload: _codec.Payload | None = None
+        payload: _wire.Payload | None = None
         failure: BaseException | None = None
         later: Any = None
         try:
             if handler is None:
                 raise AttributeError(f"actor {actor.name!r} has no endpoint {env.method!r}")
-            args, kwargs = _wire.load(env.payload, buffers)
+            args, kwargs = _wire.loads(env.payload, buffers)
             if handler.thread or handler.pausable:
                 return self._rest(None, args, kwargs)
             try:
@@ -271,7 +271,7 @@ class Invocation:
                     end_direct()
             if later is None and is_call:
                 # (a few builtins pickle at once; only a bigger result may take long)
-                payload = _codec.dumps_plain(result)
+                payload = _wire.dumps_plain(result)
                 if payload is None and not cheap_to_pickle(result):
                     later = _PICKLE
         except Exception as exc:  # any pickling error is the call's, not the process's
@@ -311,7 +311,7 @@ class Invocation:
         assert handler is not None
         obj, shm = self.actor.obj, self.shm
         is_call = type(self.env) is _wire.Call
-        payload: _codec.Payload | None = None
+        payload: _wire.Payload | None = None
         failure: BaseException | None = None
         token = call_context.set(self.ctx)
         try:
@@ -333,10 +333,10 @@ class Invocation:
                     if handler_local.ends:  # it paused, holding the loop (see _pausable)
                         end_direct()
             if is_call and payload is None:
-                payload = _codec.dumps_plain(result)
+                payload = _wire.dumps_plain(result)
                 if payload is None and not cheap_to_pickle(result):
                     with self._scope().open():
-                        dump = partial(_codec.dumps, result, shm=shm)
+                        dump = partial(_wire.dumps, result, shm=shm)
                         payload = await anyio.to_thread.run_sync(dump)
         except Exception as exc:  # any pickling error is the call's, not the process's
             failure = exc
@@ -351,14 +351,14 @@ class Invocation:
         return self.scope if self.scope is not None else self._open_scope()
 
     def _answer(
-        self, result: Any, payload: _codec.Payload | None, failure: BaseException | None
+        self, result: Any, payload: _wire.Payload | None, failure: BaseException | None
     ) -> Awaitable[None] | None:
         """Reply to a call, or fail the actor for a cast that raised. Returns what to
         await while the link is full, if it is."""
         if self.scope is not None and self.scope.cancel_called:
             # The caller gave up (or the actor failed); it waits for nothing more.
             if payload is not None:
-                _codec.release_payload(payload)
+                _wire.release_payload(payload)
             return None
         env = self.env
         if type(env) is _wire.Call:
@@ -375,7 +375,7 @@ class Invocation:
         self,
         env: _wire.Call,
         result: Any,
-        payload: _codec.Payload | None,
+        payload: _wire.Payload | None,
         failure: BaseException | None,
     ) -> Awaitable[None] | None:
         """Send the reply: ``result`` (pickled now, unless ``payload`` has it) or
@@ -385,15 +385,14 @@ class Invocation:
         if failure is None:
             try:
                 if payload is None:
-                    payload = _codec.dumps(result, shm=self.shm)
+                    payload = _wire.dumps(result, shm=self.shm)
             except Exception as exc:  # any pickling error is the call's
                 failure = exc
             else:
-                data, lengths, parts = _wire.pack(payload.data, payload.buffers)
-                reply = _wire.Reply(reply_id, rank, data, lengths)
+                reply = _wire.Reply(reply_id, rank, payload.inline, payload.lengths)
                 before_reply()  # what the handler printed reaches the caller first
                 try:
-                    return links.send_soon(dest, reply, parts)
+                    return links.send_soon(dest, reply, payload.parts)
                 except ValueError as exc:  # larger than the transport takes: say so
                     failure = exc
         name, message, tb = error_of(failure)

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from .. import _codec, _wire
+from .. import _wire
 from ._calls import Calls
 from ._links import Links
 from ._tree import Gather, sources, split
@@ -83,9 +83,7 @@ class Relays:
             for item in gather.items:
                 if isinstance(item, _wire.Reply):
                     n = len(item.buffers)
-                    _codec.discard_segments(
-                        _wire.unpack(item.payload, gather.parts[pos : pos + n])[0]
-                    )
+                    _wire.discard_segments(item.payload, gather.parts[pos : pos + n])
                     pos += n
         return True
 

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple, TypeAlias
 import msgspec
 
 from .. import _wire
-from .._codec import Payload
 from .._errors import Failure, SupervisionError
+from .._wire import Payload
 from ._calls import Calls, Pending
 from ._context import call_context
 from ._links import Links
@@ -138,13 +138,13 @@ class Router:
             return None
         if not isinstance(payload, Payload):
             return self._send_each(pending, method, labels, sizes, payload, chain, tree)
-        data, lengths, parts = _wire.pack(payload.data, payload.buffers)
+        parts = payload.parts
         call_id = pending.call_id
         me = self._links.address
         if tree is not None:
             req = _wire.Relay(
-                me, call_id, -1, pending.actor, method, labels, sizes, data, chain,
-                lengths, me, call_id, [],
+                me, call_id, -1, pending.actor, method, labels, sizes, payload.inline, chain,
+                payload.lengths, me, call_id, [],
             )  # fmt: skip
             return self._send_down(req, parts, self._heads(pending.targets, tree, pending))
         # each rank directly (a call_one, a small mesh)
@@ -152,8 +152,8 @@ class Router:
         ranks = list(pending.targets.items())
         for i, (rank, addr) in enumerate(ranks):
             call = _wire.Call(
-                me, call_id, rank, pending.actor, method, labels, sizes, data, chain,
-                lengths, me, call_id,
+                me, call_id, rank, pending.actor, method, labels, sizes, payload.inline,
+                chain, payload.lengths, me, call_id,
             )  # fmt: skip
             waiting = self._links.send_soon(addr, call, parts)
             if waiting is not None:
@@ -199,11 +199,10 @@ class Router:
         # a copy: ranks that answer while we send leave pending.targets
         for rank, addr in list(pending.targets.items()):
             payload = payloads[rank]
-            data, lengths, parts = _wire.pack(payload.data, payload.buffers)
             request_id = pending.ids[rank] = self._calls.next_id()
             req = _wire.Relay(
-                self.address, request_id, -1, pending.actor, method, labels, sizes, data,
-                chain, lengths, self.address, pending.call_id, [],
+                self.address, request_id, -1, pending.actor, method, labels, sizes,
+                payload.inline, chain, payload.lengths, self.address, pending.call_id, [],
             )  # fmt: skip
             heads: list[tuple[str, int, Nodes]] = [(addr, rank, [])]
             if tree is not None:
@@ -214,7 +213,7 @@ class Router:
                 pending.relays |= route.relays
                 pending.via.update(route.via)
             for head, head_rank, nodes in heads:
-                await self._links.send(head, _wire.addressed(req, head_rank, nodes), parts)
+                await self._links.send(head, _wire.addressed(req, head_rank, nodes), payload.parts)
                 self._calls.sent += 1
 
     async def send_casts(
@@ -242,13 +241,10 @@ class Router:
             if why is not None:
                 raise SupervisionError(str(why), [why])
         if isinstance(payload, Payload):
-            packed = [(targets, _wire.pack(payload.data, payload.buffers))]
+            packed = [(targets, payload)]
             nbytes = [payload.nbytes] * len(targets)
         else:
-            packed = [
-                ({rank: addr}, _wire.pack(payload[rank].data, payload[rank].buffers))
-                for rank, addr in targets.items()
-            ]
+            packed = [({rank: addr}, payload[rank]) for rank, addr in targets.items()]
             nbytes = [payload[rank].nbytes for rank in targets]
         addrs = list(targets.values())
         numbers = await self._links.acquire(addrs, actor, nbytes, deadline)
@@ -256,12 +252,12 @@ class Router:
         # Posted, not awaited: the windows just taken are counted as sent, so the
         # frames must go out even if the caller is cancelled now (flow control
         # bounds what may queue).
-        for to, (data, lengths, parts) in packed:
+        for to, each in packed:
             req = _wire.Relay(
-                self.address, self._calls.next_id(), -1, actor, method, labels, sizes, data,
-                [], lengths, "", 0, [],
+                self.address, self._calls.next_id(), -1, actor, method, labels, sizes,
+                each.inline, [], each.lengths, "", 0, [],
             )  # fmt: skip
-            self._post_cast(req, parts, to, tree, seqs)
+            self._post_cast(req, each.parts, to, tree, seqs)
 
     def _post_cast(
         self,

@@ -40,7 +40,7 @@ import msgspec
 import sniffio
 from anyio.abc import TaskGroup
 
-from .. import _codec, _wire
+from .. import _wire
 from .._errors import Failure, ProtocolError, SupervisionError
 from .._ratelog import RateLimitedLog
 from .._transport import Transport, TransportClosed
@@ -482,7 +482,7 @@ class Runtime:
             self._late += 1
             if isinstance(env, _wire.Reply):
                 # nobody will load it: its shared-memory segments go now
-                _codec.discard_segments(_wire.unpack(env.payload, buffers)[0])
+                _wire.discard_segments(env.payload, buffers)
 
     def _on_request(self, env: _wire.Call | _wire.Cast, buffers: list[Any], peer: str) -> None:
         # A request may have come down the relay tree: its sender is the caller, not
@@ -660,7 +660,7 @@ class open_runtime:
             _open_runtimes -= 1
             if not _open_runtimes:
                 # shared-memory segments this process sent that nobody took
-                _codec.release_segments()
+                _wire.release_segments()
             self._forget_library()
         suppressed = suppressed or swallowed
         if rt.root_failures and (

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator, Sized
 from contextlib import contextmanager
 from typing import TypeVar
 
-from .._codec import shm_dir
 from .._transport import ipc_dir
+from .._wire import shm_dir
 
 __all__ = [
     "LeakError",

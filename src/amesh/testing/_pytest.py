@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .. import _codec
+from .. import _wire
 from .._config import reset as reset_settings
 from ._leaks import no_leaks
 
@@ -24,7 +24,7 @@ __all__ = ["amesh_no_leaks", "amesh_settings", "pytest_configure", "pytest_uncon
 
 _OWN_DIRS: list[tuple[str, str]] = []  # (environment variable, directory we made)
 #: a session's directory: ``amesh-test-[shm-]<pid>.<start>.<pid namespace>-<random>``,
-#: its process named as a shared-memory segment's maker is (see :mod:`amesh._codec`)
+#: its process named as a shared-memory segment's maker is (see :func:`amesh._wire.this_process`)
 _SESSION_DIR = re.compile(r"amesh-test-(?:shm-)?(\d+)\.(\d+)\.(\d+)-[^-]+")
 
 
@@ -39,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for place in {tempfile.gettempdir(), shm}:
         if place is not None:
             sweep_sessions(place)
-    tag = f"{_codec._owner()}-"
+    tag = f"{_wire.this_process()}-"
     if not os.environ.get("AMESH_IPC_DIR"):
         _own("AMESH_IPC_DIR", tempfile.mkdtemp(prefix=f"amesh-test-{tag}"))
     if not os.environ.get("AMESH_SHM_DIR"):
@@ -57,7 +57,7 @@ def sweep_sessions(place: str) -> int:
     shared-memory segments in them (memory, on /dev/shm). Only this user's, of this pid
     namespace, whose process surely ended (as for segments: its pid free, or reused
     since); returns how many it removed."""
-    procfs, ns, uid, removed = _codec._have_proc(), _codec._pid_namespace(), os.getuid(), 0
+    procfs, ns, uid, removed = _wire.has_procfs(), _wire.pid_namespace(), os.getuid(), 0
     try:
         names = os.listdir(place)
     except OSError:
@@ -66,7 +66,7 @@ def sweep_sessions(place: str) -> int:
         m = _SESSION_DIR.fullmatch(name)
         if m is None or int(m[3]) != ns:
             continue
-        if not _codec._is_dead(int(m[1]), int(m[2]) if procfs else 0, procfs):
+        if not _wire.is_dead(int(m[1]), int(m[2]) if procfs else 0, procfs):
             continue
         path = os.path.join(place, name)
         try:

@@ -1,26 +1,18 @@
-"""Payload codec: pickle protocol 5 with out-of-band buffers and shared memory.
-
-Classes and functions from ``__main__`` (scripts, notebooks) travel by value
-(cloudpickle), their code with its real file name and the source lines it spans, which
-the receiver puts in ``linecache``: its tracebacks show them.
-
-Buffers of at least :data:`OOB_THRESHOLD` bytes (numpy arrays, torch tensors, large
-``bytes``...) are not copied into the pickle: they travel as separate parts of the
-frame, and the receiver's objects are views of the received frame (``bytes`` are
-copied once, since a ``bytes`` object cannot be a view).
+"""Shared-memory segments and their life.
 
 With ``dumps(obj, shm=True)`` (one receiver, on this host) buffers of at least
 :func:`shm_threshold` bytes are written once into shared-memory segments, files in
-:func:`shm_dir` (``AMESH_SHM_DIR``, else ``/dev/shm``); the pickle holds their paths.
-The receiver maps each segment and unlinks it at once, so its objects are views of
-memory that the kernel frees when the last of them goes.
+:func:`shm_dir` (``AMESH_SHM_DIR``, else ``/dev/shm``); the pickle holds their paths
+(:func:`segment_ref`). The receiver maps each segment and unlinks it at once
+(:func:`_load_segment`, which unpickling calls), so its objects are views of memory
+that the kernel frees when the last of them goes.
 
 A segment's name says whose it is: ``amesh-<job>-<pid>.<start>.<pidns>-<n>-<random>``.
-``<job>`` (:func:`job_id`) is derived from the job key, so the controller and all its
-workers share it (:func:`segment_prefix`); ``<pid>``, ``<start>`` (the process's start
-time, from /proc) and ``<pidns>`` (its pid namespace) tell whether the process that
-made it still runs, even once its pid is reused. A segment lives at most as long as
-the process that made it, and goes earlier when its message is abandoned:
+``<job>`` (:func:`amesh._identity.job_id`) is derived from the job key, so the
+controller and all its workers share it (:func:`segment_prefix`); ``<pid>``,
+``<start>`` and ``<pidns>`` (:func:`._processes.this_process`) tell whether the process
+that made it still runs, even once its pid is reused. A segment lives at most as long
+as the process that made it, and goes earlier when its message is abandoned:
 
 - loaded: the receiver unlinks it.
 - its message is dropped unread (a reply to a call that timed out or was cancelled):
@@ -35,30 +27,19 @@ the process that made it, and goes earlier when its message is abandoned:
   removes the segments of every process that has ended (the old
   ``amesh-<pid>-<n>-<random>`` ones too, where that pid is free). Every ProcMesh
   start (of any job) calls it too, for what nobody was left to remove.
-
-How large ``bytes`` and shared-memory buffers get out of the stream: the pickler writes
-any buffer of 64 KiB or more (``bytes``, or a ``PickleBuffer`` that the buffer callback
-keeps in band) straight to its file, as the very object, right after its opcode
-header. The file here (:class:`_Encoder`) knows those objects by identity, drops the
-header and writes a few opcodes in their place: ``bytes(<next out-of-band buffer>)`` or
-``_load_segment(path, kind)``. The stream stays plain pickle, read by ``pickle.loads``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
-import linecache
 import logging
-import marshal
 import mmap
 import os
 import pickle
 import re
 import stat
 import struct
-import sys
 import threading
 import types
 from collections import OrderedDict
@@ -66,27 +47,28 @@ from collections.abc import Callable, Sequence
 from itertools import count
 from typing import Any
 
-import cloudpickle
-
-from ._codec_tensor import reduce_tensor
-from ._config import settings
-from ._identity import job_key
+from .._config import settings
+from .._identity import job_id
+from ._payload import Payload
+from ._processes import has_procfs, is_dead, pid_namespace, this_process
 
 __all__ = [
-    "OOB_THRESHOLD",
+    "BYTEARRAY",
+    "BYTES",
+    "DIRECT",
+    "POOLED",
+    "READONLY",
     "SHM_THRESHOLD",
-    "Payload",
+    "WRITABLE",
+    "create_segment",
     "discard_segments",
-    "dumps",
-    "dumps_plain",
     "for_receivers",
-    "job_id",
-    "loads",
-    "plain_payload",
+    "global_op",
     "release_payload",
     "release_segments",
     "remove_segments_of",
     "segment_prefix",
+    "segment_ref",
     "shm_dir",
     "shm_threshold",
     "sweep_segments",
@@ -94,25 +76,23 @@ __all__ = [
 
 log = logging.getLogger("amesh.codec")
 
-#: Buffers smaller than this stay inside the pickle (a part costs more than a copy).
-OOB_THRESHOLD = 64 * 1024
 #: With ``shm=True``, buffers of at least this many bytes go through shared memory
 #: (``AMESH_SHM_THRESHOLD`` overrides it; below 64 KiB counts as 64 KiB).
 SHM_THRESHOLD = 1 << 20
 
-# The pickler writes buffers of this size or more straight to its file (C _pickle's
-# FRAME_SIZE_TARGET); only those can be taken out of the stream after the fact.
-_DIRECT = 64 * 1024
+#: The pickler writes buffers of this size or more straight to its file (C _pickle's
+#: FRAME_SIZE_TARGET); only those can be taken out of the stream after the fact.
+DIRECT = 64 * 1024
 
-# What a buffer taken out of the stream was, so what to rebuild.
-_BYTES, _BYTEARRAY, _WRITABLE, _READONLY = 0, 1, 2, 3
+#: What a buffer taken out of the stream was, so what to rebuild.
+BYTES, BYTEARRAY, WRITABLE, READONLY = 0, 1, 2, 3
 # A flag on that kind: the segment's bytes are shared by several receivers, each
 # through a name of its own (see :func:`for_receivers`), and mapped copy-on-write.
 _SHARED = 4
 # A flag on a kind that is copied out (bytes, bytearray): the receiver hands the
 # segment back to its sender for the next message, renaming it ``<path>.free``, rather
 # than unlinking it (see :func:`_reuse_segment`).
-_POOLED = 8
+POOLED = 8
 _FREE = ".free"
 #: Segments of these sizes are kept for reuse, up to POOL_SEGMENTS of them and
 #: POOL_BYTES in all per process: writing into pages a file already has costs a
@@ -139,372 +119,6 @@ SPARE_OBJECTS = 4
 SPARE_BYTES = 256 << 20
 
 
-class Payload:
-    """A pickled object: the pickle bytes and its out-of-band buffers.
-
-    ``segments`` lists the shared-memory segments that :func:`dumps` made for it (see
-    :func:`release_payload`); it stays with the sender and is never pickled.
-    """
-
-    __slots__ = ("buffers", "data", "segments")
-
-    def __init__(
-        self, data: bytes, buffers: Sequence[Any] = (), segments: Sequence[str] = ()
-    ) -> None:
-        self.data = data
-        self.buffers: list[Any] = [memoryview(b) for b in buffers]
-        self.segments: tuple[str, ...] = tuple(segments)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + sum(memoryview(b).nbytes for b in self.buffers)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Nested in another pickle (spawn arguments), the buffers stay out of band.
-        return (Payload, (self.data, [pickle.PickleBuffer(b) for b in self.buffers]))
-
-
-# -- encoding ---------------------------------------------------------------------------
-
-
-class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
-    def reducer_override(self, obj: Any) -> Any:
-        tp = type(obj)
-        if tp is types.CodeType:
-            return _reduce_code(obj)
-        # Never imports torch: a tensor exists only where torch was imported already.
-        torch = sys.modules.get("torch")
-        if torch is not None and tp is torch.Tensor:
-            return reduce_tensor(obj)
-        return super().reducer_override(obj)
-
-
-def _reduce_code(code: types.CodeType) -> tuple[Any, ...]:
-    """Code shipped by value (``__main__``, a notebook cell), with its source lines.
-
-    cloudpickle's own reduction renames the file ``<dynamic-code>``; marshal keeps the
-    real name. The lines the code spans (nested functions included) go along, so that
-    a traceback through it in another process shows them (:func:`_load_code`): the
-    receiver may not have the file (another host, a notebook cell).
-    """
-    first = code.co_firstlineno
-    lines = linecache.getlines(code.co_filename)[first - 1 : _last_line(code)]
-    return _load_code, (marshal.dumps(code), code.co_filename, first, lines)
-
-
-def _last_line(code: types.CodeType) -> int:
-    """The last source line of ``code`` and of the code nested in it."""
-    last = max((line for _, _, line in code.co_lines() if line is not None), default=0)
-    for const in code.co_consts:
-        if type(const) is types.CodeType:
-            last = max(last, _last_line(const))
-    return last
-
-
-class _BytesPickler(_Pickler):
-    """The second pass, for a payload with large ``bytes``/``bytearray``: notes them.
-
-    ``persistent_id`` is called for every object, which makes pickling a big structure
-    about three times slower; the first pass (:class:`_Pickler`) goes without it.
-    """
-
-    def __init__(self, enc: _Encoder, big: dict[int, bytes | bytearray]) -> None:
-        super().__init__(enc, protocol=5, buffer_callback=enc.take)
-        self._big = big
-
-    def persistent_id(self, obj: Any) -> None:
-        tp = type(obj)
-        if (tp is bytes or tp is bytearray) and len(obj) >= _DIRECT:
-            self._big[id(obj)] = obj  # kept alive, so the id stays its own
-        return None
-
-
-class _Retry(Exception):
-    """The first pass met what looks like a large ``bytes``: run the second."""
-
-
-class _Segment:
-    """A buffer to write into a segment once pickling succeeded (or send in the frame)."""
-
-    __slots__ = ("index", "kind", "view")
-
-    def __init__(self, view: memoryview, kind: int, index: int) -> None:
-        self.view = view
-        self.kind = kind
-        self.index = index  # how many out-of-band buffers precede it in the stream
-
-
-class _Encoder:
-    """The pickler's file for one :func:`dumps`: chunks of the stream, parts, segments."""
-
-    __slots__ = ("big", "buffers", "chunks", "inband", "segments", "shm_min")
-
-    def __init__(self, shm_min: int, big: dict[int, bytes | bytearray] | None = None) -> None:
-        self.shm_min = shm_min  # 0: no shared memory
-        self.big = big  # None in the first pass
-        self.chunks: list[Any] = []
-        self.buffers: list[memoryview] = []
-        self.inband: dict[int, pickle.PickleBuffer] = {}
-        self.segments = 0
-
-    def take(self, pb: pickle.PickleBuffer) -> bool:
-        """The buffer callback: True keeps ``pb`` in band."""
-        view = pb.raw()
-        if view.nbytes < OOB_THRESHOLD:
-            return True
-        if self.shm_min and view.nbytes >= self.shm_min:
-            # "In band", the pickler hands this very object to write(), which puts a
-            # segment reference in its place.
-            self.inband[id(pb)] = pb
-            return True
-        self.buffers.append(view)
-        return False
-
-    def write(self, chunk: Any) -> None:
-        tp = type(chunk)
-        if tp is bytes or tp is bytearray:
-            if len(chunk) >= _DIRECT and self._large_bytes(chunk):
-                return
-        elif tp is pickle.PickleBuffer:
-            pb = self.inband.get(id(chunk))
-            if pb is not None and pb is chunk and self._shm_buffer(pb):
-                return
-        self.chunks.append(chunk)
-
-    def _shm_buffer(self, pb: pickle.PickleBuffer) -> bool:
-        """Put a segment reference in place of ``pb``, which :meth:`take` kept in band."""
-        view = pb.raw()
-        if view.readonly:
-            kind, header = _READONLY, _bytes_header(view.nbytes)
-        else:
-            kind, header = _WRITABLE, pickle.BYTEARRAY8 + struct.pack("<Q", view.nbytes)
-        if not self._strip(header):
-            return False
-        self.chunks.append(_Segment(view, kind, len(self.buffers)))
-        self.segments += 1
-        return True
-
-    def _large_bytes(self, chunk: bytes | bytearray) -> bool:
-        """Take ``chunk`` out of the stream if it is a bytes(-array) of the payload."""
-        if type(chunk) is bytes:
-            kind, header = _BYTES, _bytes_header(len(chunk))
-        else:
-            kind, header = _BYTEARRAY, pickle.BYTEARRAY8 + struct.pack("<Q", len(chunk))
-        if self.big is None:
-            # Most likely a bytes object (else a chunk of pickle that happens to follow
-            # a matching header, and the second pass costs time, nothing more).
-            last = self.chunks[-1] if self.chunks else None
-            if type(last) is bytes and last.endswith(header):
-                raise _Retry
-            return False
-        if self.big.get(id(chunk)) is not chunk or not self._strip(header):
-            return False
-        view = memoryview(chunk)
-        if self.shm_min and view.nbytes >= self.shm_min:
-            self.chunks.append(_Segment(view, kind, len(self.buffers)))
-            self.segments += 1
-        else:
-            self.chunks.append(_IN_FRAME[kind])
-            self.buffers.append(view)
-        return True
-
-    def _strip(self, header: bytes) -> bool:
-        """Drop ``header`` from the end of the stream so far; False if it is not there."""
-        last = self.chunks[-1] if self.chunks else None
-        if type(last) is not bytes or not last.endswith(header):
-            return False
-        self.chunks[-1] = memoryview(last)[: len(last) - len(header)]
-        return True
-
-    def payload(self) -> Payload:
-        if not self.segments:
-            return Payload(b"".join(self.chunks), self.buffers)
-        data: list[Any] = []
-        buffers: list[memoryview] = []
-        made: list[str] = []
-        done = 0
-        for chunk in self.chunks:
-            if type(chunk) is not _Segment:
-                data.append(chunk)
-                continue
-            buffers += self.buffers[done : chunk.index]
-            done = chunk.index
-            copied = chunk.kind == _BYTES or chunk.kind == _BYTEARRAY
-            path, pooled = _create_segment(chunk.view, copied)
-            if path is None:
-                data.append(_IN_FRAME[chunk.kind])
-                buffers.append(chunk.view)
-            else:
-                data.append(_segment_ref(path, chunk.kind | (_POOLED if pooled else 0)))
-                made.append(path)
-        buffers += self.buffers[done:]
-        return Payload(b"".join(data), buffers, made)
-
-
-def _bytes_header(n: int) -> bytes:
-    """The opcode and length the pickler writes before ``n`` bytes (n >= 256)."""
-    if n <= 0xFFFFFFFF:
-        return pickle.BINBYTES + struct.pack("<I", n)
-    return pickle.BINBYTES8 + struct.pack("<Q", n)
-
-
-def _str_op(s: str) -> bytes:
-    b = s.encode()
-    if len(b) < 256:
-        return pickle.SHORT_BINUNICODE + bytes((len(b),)) + b
-    return pickle.BINUNICODE + struct.pack("<I", len(b)) + b
-
-
-def _global_op(module: str, name: str) -> bytes:
-    return _str_op(module) + _str_op(name) + pickle.STACK_GLOBAL
-
-
-def _segment_ref(path: str, kind: int) -> bytes:
-    """Opcodes that push ``_load_segment(path, kind)``."""
-    return (
-        _LOAD_SEGMENT
-        + _str_op(path)
-        + pickle.BININT1
-        + bytes((kind,))
-        + pickle.TUPLE2
-        + pickle.REDUCE
-    )
-
-
-# Opcodes for a buffer that travels as a part of the frame instead, as pickle writes it.
-_IN_FRAME = {
-    _BYTES: _global_op("builtins", "bytes") + pickle.NEXT_BUFFER + pickle.TUPLE1 + pickle.REDUCE,
-    _BYTEARRAY: (
-        _global_op("builtins", "bytearray") + pickle.NEXT_BUFFER + pickle.TUPLE1 + pickle.REDUCE
-    ),
-    _WRITABLE: pickle.NEXT_BUFFER,
-    _READONLY: pickle.NEXT_BUFFER + pickle.READONLY_BUFFER,
-}
-
-
-def small_tree(obj: Any, nodes: int, leaf: Callable[[Any], bool]) -> bool:
-    """True if ``obj`` is at most ``nodes`` objects: lists, tuples, sets and dicts
-    whose leaves (the objects in them that are none of those) all pass ``leaf``."""
-    budget = nodes
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        budget -= 1
-        if budget < 0:
-            return False
-        t = type(x)
-        if t is list or t is tuple or t is set or t is frozenset:
-            if len(x) > budget:
-                return False
-            todo.extend(x)
-        elif t is dict:
-            if 2 * len(x) > budget:
-                return False
-            todo.extend(x.keys())
-            todo.extend(x.values())
-        elif not leaf(x):
-            return False
-    return True
-
-
-#: Types that the C pickler writes exactly as cloudpickle would (no reducer of ours, no
-#: buffer out of band while small): see :func:`_plain`.
-_PLAIN_SCALARS = frozenset({type(None), bool, int, float, complex})
-_PLAIN_NODES = 64
-_PLAIN_BYTES = 4096
-
-
-def _plain_leaf(x: Any) -> bool:
-    t = type(x)
-    return t in _PLAIN_SCALARS or ((t is str or t is bytes) and len(x) <= _PLAIN_BYTES)
-
-
-def _plain(obj: Any) -> bool:
-    """True if ``obj`` is a few builtin scalars, short strings and bytes, in tuples,
-    lists, sets and dicts: then the C pickler alone makes the payload, microseconds
-    sooner than cloudpickle's Python-level pickler (a 64-byte echo's arguments and
-    result)."""
-    return small_tree(obj, _PLAIN_NODES, _plain_leaf)
-
-
-def plain_payload(data: bytes) -> Payload:
-    """``Payload(data)``: a pickle without buffers or segments, made at less cost."""
-    payload = Payload.__new__(Payload)
-    payload.data = data
-    payload.buffers = []
-    payload.segments = ()
-    return payload
-
-
-def dumps_plain(obj: Any) -> Payload | None:
-    """:func:`dumps` of ``obj`` if it is plain (see :func:`_plain`), else None."""
-    t = type(obj)
-    if t is bytes or t is str:  # (the commonest results first, without _plain)
-        if len(obj) > _PLAIN_BYTES:
-            return None
-    elif t not in _PLAIN_SCALARS and not _plain(obj):
-        return None
-    payload = Payload.__new__(Payload)
-    payload.data = pickle.dumps(obj, 5)
-    payload.buffers = []
-    payload.segments = ()
-    return payload
-
-
-def dumps_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload | None:
-    """:func:`dumps_plain` of a call's ``(args, kwargs)``: the commonest case, a few
-    builtin scalars and short strings and bytes, checked without the walk."""
-    if len(args) <= 8 and len(kwargs) <= 8:
-        for x in (*args, *kwargs.values()):
-            t = type(x)
-            if t not in _PLAIN_SCALARS and not (
-                (t is str or t is bytes) and len(x) <= _PLAIN_BYTES
-            ):
-                break
-        else:
-            return plain_payload(pickle.dumps((args, kwargs), 5))
-    return dumps_plain((args, kwargs))
-
-
-def dumps(obj: Any, *, shm: bool = False) -> Payload:
-    """Pickle ``obj``; large buffers are kept out of band.
-
-    Args:
-        obj: what to pickle.
-        shm: put buffers of :func:`shm_threshold` bytes or more in shared-memory
-            segments. Only for a payload that exactly one process on this host loads,
-            once: loading a segment removes it.
-
-    Raises:
-        TypeError: ``obj`` cannot be pickled, with the reason.
-    """
-    if _plain(obj):
-        return plain_payload(pickle.dumps(obj, 5))
-    enc = _Encoder(shm_threshold() if shm else 0)
-    try:
-        try:
-            _Pickler(enc, protocol=5, buffer_callback=enc.take).dump(obj)
-        except _Retry:
-            big: dict[int, bytes | bytearray] = {}
-            enc = _Encoder(enc.shm_min, big)
-            _BytesPickler(enc, big).dump(obj)
-    except Exception as exc:  # pickling raises anything from TypeError to PicklingError
-        raise TypeError(f"cannot pickle {type(obj).__name__}: {exc}") from exc
-    return enc.payload()
-
-
-def loads(data: bytes | memoryview, buffers: Sequence[memoryview] = ()) -> Any:
-    """Unpickle what :func:`dumps` made; objects may be views of ``buffers``.
-
-    Raises:
-        RuntimeError: a shared-memory segment of the payload is gone.
-    """
-    return pickle.loads(data, buffers=buffers)
-
-
-# -- shared-memory segments -------------------------------------------------------------
-
-
 def shm_dir() -> str:
     """Where segments go: ``AMESH_SHM_DIR``, else ``/dev/shm``."""
     return settings().shm_dir or "/dev/shm"
@@ -518,13 +132,13 @@ def shm_threshold() -> int:
     Raises:
         ConfigError: ``AMESH_SHM_THRESHOLD`` is not an integer >= 0.
     """
-    return max(settings().shm_threshold, _DIRECT)
+    return max(settings().shm_threshold, DIRECT)
 
 
 _counter = count()
 _lock = threading.Lock()
 _made: set[str] = set()  # segments this process made, maybe consumed since
-_pool: dict[str, _Kept] = {}  # segments that come back for reuse (see _POOLED)
+_pool: dict[str, _Kept] = {}  # segments that come back for reuse (see POOLED)
 #: the mappings of other processes' pooled segments, by (st_dev, st_ino): each is read
 #: out of one mapping message after message (see _read_kept). A mapping holds its file,
 #: so no other live file has its inode number (tmpfs numbers them from a counter).
@@ -537,7 +151,7 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _prune_at = 1024
 
 # A segment's name says whose it is: ``amesh-<job>-<pid>.<start>.<pidns>-<n>-<random>``.
-# <job> is :func:`job_id`; <pid>, <start> (in clock ticks since boot, field 22 of
+# <job> is :func:`amesh._identity.job_id`; <pid>, <start> (in clock ticks since boot, field 22 of
 # /proc/<pid>/stat) and <pidns> (the inode of its pid namespace) name the process that
 # made it, for good: a pid reused by a later process has another start time.
 _NAME = re.compile(
@@ -545,22 +159,6 @@ _NAME = re.compile(
 )
 # What amesh named its segments before: ``amesh-<pid>-<n>-<random>``.
 _OLD_NAME = re.compile(rb"amesh-(\d{1,10})-\d{1,20}-[0-9a-f]{8}")
-_JOB_TAG = b"amesh shm job v1\0"
-
-_job: tuple[bytes, str] | None = None  # (job key, its job id)
-_self: tuple[int, str] | None = None  # (pid, "<pid>.<start>.<pidns>") of this process
-
-
-def job_id() -> str:
-    """This job's id in segment names: 10 digits from a hash of the job key, the same in
-    the controller and every process it started (workers adopt its key)."""
-    global _job
-    key = job_key()
-    cached = _job
-    if cached is None or cached[0] is not key:
-        digest = hashlib.sha256(_JOB_TAG + key).digest()
-        cached = _job = (key, f"{int.from_bytes(digest[:4], 'big'):010d}")
-    return cached[1]
 
 
 def segment_prefix() -> str:
@@ -568,67 +166,9 @@ def segment_prefix() -> str:
     return f"amesh-{job_id()}-"
 
 
-def _owner() -> str:
-    """``<pid>.<start>.<pidns>`` of this process (0 for what /proc does not tell)."""
-    global _self
-    pid = os.getpid()
-    cached = _self
-    if cached is None or cached[0] != pid:
-        ps = _stat_of(pid) if _have_proc() else None
-        cached = _self = (pid, f"{pid}.{ps[1] if ps else 0}.{_pid_namespace()}")
-    return cached[1]
-
-
-def _have_proc() -> bool:
-    return os.path.exists("/proc/self/stat")
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _stat_of(pid: int) -> tuple[bytes, int] | None:
-    """(state, start time) of process ``pid``; None if there is no such process.
-
-    Raises:
-        OSError, ValueError, IndexError: /proc could not tell.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count after its end.
-    fields = data[data.rindex(b")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
-def _is_dead(pid: int, start: int, procfs: bool) -> bool:
-    """True if process ``pid`` that started at ``start`` (0: unknown) surely ended."""
-    if pid <= 0:
-        return False
-    if start and procfs:
-        try:
-            ps = _stat_of(pid)
-        except (OSError, ValueError, IndexError):
-            return False
-        # another start time: the pid was reused; Z/X: it exited, only not reaped yet
-        return ps is None or ps[1] != start or ps[0] in (b"Z", b"X")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: it exists
-        return False
-    return False
-
-
 def _segment_name() -> str:
     return os.path.join(
-        shm_dir(), f"{segment_prefix()}{_owner()}-{next(_counter)}-{os.urandom(4).hex()}"
+        shm_dir(), f"{segment_prefix()}{this_process()}-{next(_counter)}-{os.urandom(4).hex()}"
     )
 
 
@@ -675,7 +215,7 @@ def _fill(kept: _Kept, view: memoryview) -> None:
     kept.size = n
 
 
-def _create_segment(view: memoryview, poolable: bool = False) -> tuple[str | None, bool]:
+def create_segment(view: memoryview, poolable: bool = False) -> tuple[str | None, bool]:
     """Copy ``view`` into a segment, one handed back by a receiver if ``poolable`` and
     one fits, else a new one; its path (None where that fails), and whether its
     receiver is to hand it back (it joined the pool)."""
@@ -874,8 +414,8 @@ def for_receivers(payload: Payload, ranks: Sequence[int]) -> Payload | dict[int,
 
 
 def _link_segment(path: str) -> str:
-    """Another name for segment ``path``, of the same form (see :func:`_create_segment`)."""
-    name = f"{segment_prefix()}{_owner()}-{next(_counter)}-{os.urandom(4).hex()}"
+    """Another name for segment ``path``, of the same form (see :func:`create_segment`)."""
+    name = f"{segment_prefix()}{this_process()}-{next(_counter)}-{os.urandom(4).hex()}"
     link = os.path.join(os.path.dirname(path), name)
     os.link(path, link)
     _remember(link)
@@ -885,10 +425,10 @@ def _link_segment(path: str) -> str:
 def _rename_ref(data: bytes, path: str, name: str) -> bytes:
     """Pickle ``data`` with its reference to segment ``path`` naming ``name`` instead,
     as a segment that other receivers share."""
-    ref = re.compile(re.escape(_LOAD_SEGMENT + _str_op(path) + pickle.BININT1) + b"(.)", re.S)
+    ref = re.compile(re.escape(_LOAD_SEGMENT + str_op(path) + pickle.BININT1) + b"(.)", re.S)
 
     def shared(m: re.Match[bytes]) -> bytes:
-        return _LOAD_SEGMENT + _str_op(name) + pickle.BININT1 + bytes((m[1][0] | _SHARED,))
+        return _LOAD_SEGMENT + str_op(name) + pickle.BININT1 + bytes((m[1][0] | _SHARED,))
 
     return ref.sub(shared, data, count=1)
 
@@ -914,7 +454,7 @@ def _segment_refs(data: bytes | memoryview) -> list[str]:
             n > 4096
             or bytes(view[end : end + 1]) != pickle.BININT1
             or bytes(view[end + 2 : end + 4]) != pickle.TUPLE2 + pickle.REDUCE
-            or view[end + 1] > (_READONLY | _SHARED | _POOLED)
+            or view[end + 1] > (READONLY | _SHARED | POOLED)
         ):
             continue
         try:
@@ -924,19 +464,20 @@ def _segment_refs(data: bytes | memoryview) -> list[str]:
     return refs
 
 
-def discard_segments(data: bytes | memoryview) -> int:
-    """Unlink the segments that pickle ``data`` refers to, which will never be loaded.
+def discard_segments(payload: bytes | memoryview, buffers: Sequence[Any] = ()) -> int:
+    """Unlink the segments that a received message refers to, which will never be
+    loaded: ``payload`` and ``buffers`` as :func:`amesh._wire.loads` takes them.
 
     For a received payload that is dropped unread (a reply to a call that timed out or
     was cancelled): its sender made the segments for this one receiver, so nobody else
     would unlink them before the sender exits. Only files of this user named like a
     segment of this job (:func:`segment_prefix`) directly in :func:`shm_dir` are
-    touched, whatever ``data`` says.
+    touched, whatever the pickle says.
 
     Returns:
         How many segments were removed.
     """
-    refs = _segment_refs(data)
+    refs = _segment_refs(payload if payload or not buffers else buffers[0])
     if not refs:
         return 0
     where = shm_dir()
@@ -976,8 +517,8 @@ def _remove_dead(only_pid: int | None) -> int:
         names = os.listdir(where)
     except OSError:
         return 0
-    procfs = _have_proc()
-    namespace = _pid_namespace()
+    procfs = has_procfs()
+    namespace = pid_namespace()
     dead: dict[tuple[int, int], bool] = {}
     removed = 0
     for name in names:
@@ -986,7 +527,7 @@ def _remove_dead(only_pid: int | None) -> int:
             continue
         verdict = dead.get(owner)
         if verdict is None:
-            verdict = dead[owner] = _is_dead(*owner, procfs)
+            verdict = dead[owner] = is_dead(*owner, procfs)
         if not verdict:
             continue
         if _unlink_ours(where, name):
@@ -1054,43 +595,35 @@ atexit.register(release_segments)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# -- decoding ---------------------------------------------------------------------------
+def str_op(s: str) -> bytes:
+    b = s.encode()
+    if len(b) < 256:
+        return pickle.SHORT_BINUNICODE + bytes((len(b),)) + b
+    return pickle.BINUNICODE + struct.pack("<I", len(b)) + b
 
 
-def _load_code(data: bytes, filename: str, first: int, lines: list[str]) -> types.CodeType:
-    """Rebuild code from :func:`_reduce_code`, and give ``linecache`` its source lines.
-
-    The lines go under the code's own file name (``mtime`` None: ``linecache`` never
-    checks them against a file), over what is known of that file already; lines of
-    the file that no shipped code spans stay blank.
-    """
-    if lines:
-        _remember_lines(filename, first, lines)
-    code: types.CodeType = marshal.loads(data)
-    return code
+def global_op(module: str, name: str) -> bytes:
+    return str_op(module) + str_op(name) + pickle.STACK_GLOBAL
 
 
-def _remember_lines(filename: str, first: int, lines: list[str]) -> None:
-    """Put ``lines`` at line ``first`` of ``filename`` in ``linecache``."""
-    entry = linecache.cache.get(filename)
-    known: list[str] = []
-    unchecked = False  # lines no file is checked against (mtime None), ours to change
-    if entry is not None and len(entry) == 4:
-        known, unchecked = entry[2], entry[1] is None
-    start, end = first - 1, first - 1 + len(lines)
-    if unchecked and known[start:end] == lines:
-        return  # already there (the same code shipped again)
-    if not unchecked:
-        known = list(known)
-    if len(known) < start:
-        known.extend("\n" for _ in range(start - len(known)))
-    known[start:end] = lines
-    linecache.cache[filename] = (0, None, known, filename)  # the size counts with an mtime
+def segment_ref(path: str, kind: int) -> bytes:
+    """Opcodes that push ``_load_segment(path, kind)``."""
+    return (
+        _LOAD_SEGMENT
+        + str_op(path)
+        + pickle.BININT1
+        + bytes((kind,))
+        + pickle.TUPLE2
+        + pickle.REDUCE
+    )
+
+
+# Opcodes for a buffer that travels as a part of the frame instead, as pickle writes it.
 
 
 def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:
     """Open segment ``path`` and unlink it (or hand it back to its sender, see
-    :data:`_POOLED`): a copy of its bytes, or a view of its mapping."""
+    :data:`POOLED`): a copy of its bytes, or a view of its mapping."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -1098,8 +631,8 @@ def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:
             f"shared-memory segment {path} is gone: its sender released it (it exited or"
             " closed its runtime), or this payload was already loaded once"
         ) from None
-    shared, pooled, kind = kind & _SHARED, kind & _POOLED, kind & ~(_SHARED | _POOLED)
-    copied = kind == _BYTES or kind == _BYTEARRAY
+    shared, pooled, kind = kind & _SHARED, kind & POOLED, kind & ~(_SHARED | POOLED)
+    copied = kind == BYTES or kind == BYTEARRAY
     back = pooled and copied and not shared
     try:
         if not back:
@@ -1129,17 +662,17 @@ def _load_segment(path: str, kind: int) -> bytes | bytearray | memoryview:
         os.close(fd)
     # The mapping lives as long as a view of it does (numpy's .base, torch's storage).
     view = memoryview(mem)
-    return view.toreadonly() if kind == _READONLY else view
+    return view.toreadonly() if kind == READONLY else view
 
 
 def _read_all(fd: int, size: int, kind: int) -> bytes | bytearray:
     """The ``size`` bytes of ``fd``, in one copy (up to 2 GiB for ``bytes``)."""
-    if kind == _BYTES and SPARE_MIN <= size <= SPARE_MAX and _ext is not None:
+    if kind == BYTES and SPARE_MIN <= size <= SPARE_MAX and _ext is not None:
         return _refilled(_ext.pread_bytes, fd, size)
-    if kind == _BYTES:
+    if kind == BYTES:
         data = os.read(fd, size)
         if len(data) < size:  # Linux reads at most 2 GiB at a time
-            data += _read_all(fd, size - len(data), _BYTEARRAY)
+            data += _read_all(fd, size - len(data), BYTEARRAY)
         return data
     buf = bytearray(size)
     view = memoryview(buf)
@@ -1161,10 +694,10 @@ def _read_kept(fd: int, key: tuple[int, int], size: int, kind: int) -> bytes | b
             _maps.move_to_end(key)
         else:
             mem = _map_kept(fd, key, size)
-        if kind == _BYTES and SPARE_MIN <= size <= SPARE_MAX and _ext is not None:
+        if kind == BYTES and SPARE_MIN <= size <= SPARE_MAX and _ext is not None:
             return _refilled(_ext.copy_bytes, mem, size)
         with memoryview(mem) as whole, whole[:size] as part:
-            return bytes(part) if kind == _BYTES else bytearray(part)
+            return bytes(part) if kind == BYTES else bytearray(part)
 
 
 def _map_kept(fd: int, key: tuple[int, int], size: int) -> mmap.mmap:
@@ -1202,7 +735,7 @@ def _refilled(
 
 def _c_ext() -> types.ModuleType | None:
     try:
-        from ._native import _ext
+        from .._native import _ext
     except ImportError:  # not built: a new bytes object for each, read from the file
         return None
     return _ext
@@ -1211,7 +744,7 @@ def _c_ext() -> types.ModuleType | None:
 #: the C extension, for refilling large received bytes (None where it is not built)
 _ext = _c_ext()
 
-_LOAD_SEGMENT = _global_op(_load_segment.__module__, _load_segment.__name__)
+_LOAD_SEGMENT = global_op(_load_segment.__module__, _load_segment.__name__)
 # A segment reference as _segment_ref writes it, up to the path's length.
 _REF = re.compile(
     re.escape(_LOAD_SEGMENT) + b"[" + re.escape(pickle.SHORT_BINUNICODE + pickle.BINUNICODE) + b"]"

@@ -1,4 +1,4 @@
-"""The wire schema: msgspec envelopes behind a three-byte preamble.
+"""The envelopes: msgspec structs behind a three-byte preamble, and the frames they make.
 
 Every frame is ``MAGIC (2 bytes) | version (1 byte) | envelope length (u32 LE) |
 msgpack envelope | out-of-band buffers``. Envelopes are tagged, array-like msgspec
@@ -6,9 +6,9 @@ Structs; those that carry a payload list the lengths of its buffers, which follo
 envelope back to back, so large buffers are never copied into the envelope. A small
 pickle travels inside the envelope (``payload``); a large one (at least
 :data:`INLINE_LIMIT` bytes) travels as the first buffer, and ``payload`` is then empty
-(a pickle never is). The first fields of every request envelope are stable across
-protocol versions (``[tag, sender, call_id, rank, ...]``) so that a runtime can answer a
-frame of an unknown version with a clear error.
+(a pickle never is; see :class:`amesh._wire.Payload`). The first fields of every
+request envelope are stable across protocol versions (``[tag, sender, call_id, rank,
+...]``) so that a runtime can answer a frame of an unknown version with a clear error.
 
 Casts and calls to many ranks may travel down a relay tree (:class:`Relay`), and the
 replies come back up it in batches (:class:`Gathered`): see ``_runtime._tree``.
@@ -28,7 +28,6 @@ buffers). The Python versions do the same where it is not built.
 from __future__ import annotations
 
 import operator
-import pickle
 import re
 import struct
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from ._transport import TAG_PATTERN, Frame, frame_size, join
+from .._transport import TAG_PATTERN, Frame, frame_size, join
 
 __all__ = [
     "ADDRESS_PATTERN",
@@ -76,11 +75,8 @@ __all__ = [
     "frame_size",
     "is_address",
     "join",
-    "load",
-    "pack",
     "payload_size",
     "try_decode",
-    "unpack",
 ]
 
 MAGIC = b"AM"
@@ -160,7 +156,7 @@ _Labels = Annotated[list[_Name], Meta(max_length=MAX_DIMS)]
 _Sizes = Annotated[list[_Size], Meta(max_length=MAX_DIMS)]
 _Chain = Annotated[list[_ChainEntry], Meta(max_length=MAX_CHAIN)]
 _Buffers = Annotated[list[_Length], Meta(max_length=MAX_BUFFERS)]
-#: A pickle inside an envelope is shorter than INLINE_LIMIT (see pack).
+#: A pickle inside an envelope is shorter than INLINE_LIMIT (see ``Payload.inline``).
 _Payload = Annotated[bytes, Meta(max_length=INLINE_LIMIT)]
 #: ``(address, rank or -1, number of nodes below)`` (see :class:`Relay`)
 _Node = tuple[Address, _NodeRank, Annotated[int, Meta(ge=0, lt=MAX_RANKS)]]
@@ -468,31 +464,6 @@ def encode(env: Envelope, buffers: list[Any] | None = None) -> Frame:
     return [head, *buffers]
 
 
-def pack(data: bytes, buffers: list[Any]) -> tuple[bytes, list[int], list[Any]]:
-    """``(envelope payload, buffer lengths, parts)`` for a pickle and its buffers."""
-    if len(data) < INLINE_LIMIT:
-        if not buffers:  # the common case
-            return data, [], buffers
-        return data, [memoryview(b).nbytes for b in buffers], buffers
-    parts = [data, *buffers]
-    return b"", [memoryview(b).nbytes for b in parts], parts
-
-
-def unpack(payload: bytes, buffers: list[Any]) -> tuple[Any, list[Any]]:
-    """``(pickle, out-of-band buffers)`` of a received payload (see :func:`pack`)."""
-    if payload or not buffers:
-        return payload, buffers
-    return buffers[0], buffers[1:]
-
-
-def load(payload: bytes, buffers: list[Any]) -> Any:
-    """The object that a received payload and its buffers carry (see :func:`pack`):
-    ``amesh._codec.loads(*unpack(payload, buffers))``, in one call."""
-    if payload or not buffers:
-        return pickle.loads(payload, buffers=buffers)
-    return pickle.loads(buffers[0], buffers=buffers[1:])
-
-
 _first = operator.itemgetter(0)
 
 
@@ -649,7 +620,7 @@ def _c_codec() -> tuple[
     Callable[[Envelope], bytes],
 ]:
     try:
-        from ._native._ext import EnvelopeDecoder, EnvelopeEncoder
+        from .._native._ext import EnvelopeDecoder, EnvelopeEncoder
     except ImportError:  # the C extension is not built: the same in Python
         return _try_decode, _encode_envelope
     preamble = _HEADER[: len(MAGIC) + 1]

@@ -3,13 +3,13 @@
 A tensor is sent as its raw bytes (a pickle-5 out-of-band buffer) plus dtype and
 shape. The receiver's tensor is a view of the received frame when the frame is
 writable, else one copy; a tensor that came through shared memory
-(``_codec.dumps(..., shm=True)``) is a view of the segment's mapping, which lives as
+(``amesh._wire.dumps(..., shm=True)``) is a view of the segment's mapping, which lives as
 long as the tensor and its views. Non-contiguous tensors arrive contiguous, with the same
 values. CUDA tensors are copied to the CPU by the sender and arrive on the CPU; move
 them with ``.to(device)`` where you want them (amesh never guesses a device).
 
-This is part of the codec, below everything that sends payloads, and imports torch only
-where a tensor is at hand: :mod:`amesh._codec` calls :func:`reduce_tensor` when torch is
+This is part of the wire, below everything that sends payloads, and imports torch only
+where a tensor is at hand: the pickler (:mod:`._pickling`) calls :func:`reduce_tensor` when torch is
 already imported and it meets a tensor, and unpickling a tensor imports torch (the
 receiver needs it for the tensor anyway). ``amesh.torch`` is not needed for tensors to
 travel this way.
