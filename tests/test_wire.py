@@ -127,6 +127,20 @@ async def test_garbage_and_truncated_frames_are_dropped_and_counted() -> None:
             assert await c.get.call_one() == 0
 
 
+async def test_a_pickle_beside_the_envelope_goes_and_comes_back() -> None:
+    """A pickle of INLINE_LIMIT bytes or more travels as the frame's first part, with
+    out-of-band buffers after it: the worker loads the arguments, and the caller the
+    replies, through the one ``loads``; down a relay tree and back up it too."""
+    big = (list(range(20_000)), bytearray(b"z" * _wire.OOB_THRESHOLD), "end")
+    sent = _wire.dumps(((big,), {}))
+    assert sent.inline == b"" and len(sent.parts) == 2  # the pickle, then the buffer
+    with anyio.fail_after(60):
+        async with ProcMesh(per_host={"procs": 3}, fanout=2) as procs:  # 3 > 2: a tree
+            c = await procs.spawn("c", Counter)
+            assert await c.slice(procs=1).echo.call_one(big) == big
+            assert (await c.echo.call(big)).values() == [big, big, big]
+
+
 async def test_unknown_protocol_version_gets_a_clear_error() -> None:
     with anyio.fail_after(60):
         async with ProcMesh(per_host={"procs": 1}) as procs:

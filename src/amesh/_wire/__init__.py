@@ -26,7 +26,6 @@ The job's key and id, which the transport also uses, are a layer below
 from __future__ import annotations
 
 from ._envelopes import (
-    ADDRESS_PATTERN,
     INLINE_LIMIT,
     LOG,
     MAGIC,
@@ -38,7 +37,6 @@ from ._envelopes import (
     STDERR,
     STDOUT,
     VERSION,
-    Address,
     BadFrame,
     BadVersion,
     Call,
@@ -88,7 +86,6 @@ from ._processes import (
     this_process,
 )
 from ._segments import (
-    SHM_THRESHOLD,
     discard_segments,
     for_receivers,
     release_payload,
@@ -101,7 +98,6 @@ from ._segments import (
 )
 
 __all__ = [
-    "ADDRESS_PATTERN",
     "INLINE_LIMIT",
     "LOG",
     "MAGIC",
@@ -111,11 +107,9 @@ __all__ = [
     "MAX_TEXT",
     "NO_ACTOR",
     "OOB_THRESHOLD",
-    "SHM_THRESHOLD",
     "STDERR",
     "STDOUT",
     "VERSION",
-    "Address",
     "BadFrame",
     "BadVersion",
     "Call",

@@ -89,9 +89,9 @@ BYTES, BYTEARRAY, WRITABLE, READONLY = 0, 1, 2, 3
 # A flag on that kind: the segment's bytes are shared by several receivers, each
 # through a name of its own (see :func:`for_receivers`), and mapped copy-on-write.
 _SHARED = 4
-# A flag on a kind that is copied out (bytes, bytearray): the receiver hands the
-# segment back to its sender for the next message, renaming it ``<path>.free``, rather
-# than unlinking it (see :func:`_reuse_segment`).
+#: A flag on a kind that is copied out (bytes, bytearray): the receiver hands the
+#: segment back to its sender for the next message, renaming it ``<path>.free``, rather
+#: than unlinking it (see :func:`_reuse_segment`).
 POOLED = 8
 _FREE = ".free"
 #: Segments of these sizes are kept for reuse, up to POOL_SEGMENTS of them and
@@ -151,9 +151,9 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _prune_at = 1024
 
 # A segment's name says whose it is: ``amesh-<job>-<pid>.<start>.<pidns>-<n>-<random>``.
-# <job> is :func:`amesh._identity.job_id`; <pid>, <start> (in clock ticks since boot, field 22 of
-# /proc/<pid>/stat) and <pidns> (the inode of its pid namespace) name the process that
-# made it, for good: a pid reused by a later process has another start time.
+# <job> is :func:`amesh._identity.job_id`; <pid>.<start>.<pidns> is its maker's
+# :func:`._processes.this_process`, which names it for good: a pid reused by a later
+# process has another start time.
 _NAME = re.compile(
     rb"amesh-(\d{10})-(\d{1,10})\.(\d{1,20})\.(\d{1,20})-\d{1,20}-[0-9a-f]{8}(?:\.free)?"
 )
