@@ -780,6 +780,30 @@ async def test_stream_link_waits_for_a_listener_that_comes_late(make_stream: Fac
             assert await take() == b"again"
 
 
+async def test_stream_link_to_a_listener_that_is_no_amesh_one_is_reported(
+    make_stream: Factory,
+) -> None:
+    """A listener that speaks first, but no amesh challenge (an ssh server, say): the
+    link is reported lost, saying why, on every I/O path. (The anyio path's task once
+    died of it: on trio that ended the run, on asyncio the link was never reported
+    and its senders waited for ever.)"""
+    a, addr, lost = make_stream(), make_stream.impl.nowhere(), Lost()
+    a.set_lost_handler(lost)
+    family, sockaddr = wire.parse_address(addr)
+    with socket.socket(family, socket.SOCK_STREAM) as lsock, anyio.fail_after(30):
+        lsock.bind(sockaddr)
+        lsock.listen()
+        lsock.setblocking(False)
+        assert a.try_send(addr, b"x")
+        await anyio.wait_readable(lsock)
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13\r\n")
+            await lost.wait()
+    assert lost.reports == [(addr, "the peer did not send an amesh challenge")]
+    assert a.statistics().peers == 0
+
+
 async def test_stream_deliver_failure_loses_nothing_else(make_stream: Factory) -> None:
     """An exception from deliver ends serve(); frames behind it wait for the next one."""
     a, b, inbox = make_stream(), make_stream(), Inbox()
