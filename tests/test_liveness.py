@@ -207,9 +207,9 @@ def test_large_frames_are_read_into_untouched_mappings() -> None:
 @pytest.mark.parametrize("kind", ["stream", "nng"])
 async def test_the_heartbeats_connect_again_after_a_break(kind: str, keeper: str) -> None:
     """The listener drops the heartbeat connection: the C thread finds it broken (a
-    stream) or the pipe goes (NNG), the keeper (a watchdog thread, or the event loop
-    as in a worker) connects again, and the heartbeats go on, proven as the
-    worker's."""
+    stream) or the pipe goes (NNG), or the event loop sees the connection end (as in a
+    worker), the keeper (a watchdog thread, or that loop) connects again, and the
+    heartbeats go on, proven as the worker's."""
     t = ExtTransport("abstract") if kind == "nng" else StreamTransport("abstract")
     own = "stream+abstract://beating" if kind == "stream" else "abstract://beating"
     inbox = Inbox()
@@ -239,7 +239,10 @@ async def test_the_heartbeats_connect_again_after_a_break(kind: str, keeper: str
                 [frame] = await inbox.take(1)
                 assert frame == _wire.join(_wire.encode(_wire.Heartbeat(own, os.getpid())))
                 assert inbox.peers[-1] == own
-                if kind == "stream":
+                if kind == "stream" and keeper == "thread":
+                    # the watchdog renews a broken connection only; the loop sees the
+                    # listener's end itself, and may replace the connection before the
+                    # C thread wrote to it again (under load, once: not broken yet)
                     assert first.broken and first.error in (errno.EPIPE, errno.ECONNRESET)
                 tg.cancel_scope.cancel()
     finally:

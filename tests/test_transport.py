@@ -9,10 +9,11 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -779,6 +780,30 @@ async def test_stream_link_waits_for_a_listener_that_comes_late(make_stream: Fac
             assert await take() == b"again"
 
 
+async def test_stream_link_to_a_listener_that_is_no_amesh_one_is_reported(
+    make_stream: Factory,
+) -> None:
+    """A listener that speaks first, but no amesh challenge (an ssh server, say): the
+    link is reported lost, saying why, on every I/O path. (The anyio path's task once
+    died of it: on trio that ended the run, on asyncio the link was never reported
+    and its senders waited for ever.)"""
+    a, addr, lost = make_stream(), make_stream.impl.nowhere(), Lost()
+    a.set_lost_handler(lost)
+    family, sockaddr = wire.parse_address(addr)
+    with socket.socket(family, socket.SOCK_STREAM) as lsock, anyio.fail_after(30):
+        lsock.bind(sockaddr)
+        lsock.listen()
+        lsock.setblocking(False)
+        assert a.try_send(addr, b"x")
+        await anyio.wait_readable(lsock)
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13\r\n")
+            await lost.wait()
+    assert lost.reports == [(addr, "the peer did not send an amesh challenge")]
+    assert a.statistics().peers == 0
+
+
 async def test_stream_deliver_failure_loses_nothing_else(make_stream: Factory) -> None:
     """An exception from deliver ends serve(); frames behind it wait for the next one."""
     a, b, inbox = make_stream(), make_stream(), Inbox()
@@ -813,6 +838,92 @@ async def test_stream_forget_wakes_waiting_senders(make_stream: Factory) -> None
                 a.forget(addr)
     assert a.statistics().peers == 0
     assert a.try_send(addr, b"a new link")
+
+
+#: A peer in a process of its own, holding the key it reads first on its stdin: it
+#: answers each frame with ``re:`` and the frame, until its stdin closes.
+ECHO_PEER = """
+import sys
+
+import anyio
+import anyio.to_thread
+
+from amesh import _identity
+from amesh._transport import StreamTransport
+
+_identity.adopt_key(bytes.fromhex(sys.stdin.readline()))
+
+
+async def main():
+    t = StreamTransport("abstract")
+    print(t.address, flush=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(t.serve, lambda frame, peer: t.try_send(peer, b"re:" + bytes(frame)))
+        await anyio.to_thread.run_sync(sys.stdin.read)
+        tg.cancel_scope.cancel()
+    t.close()
+
+
+anyio.run(main)
+"""
+
+
+@asynccontextmanager
+async def echo_peers(keys: list[bytes]) -> AsyncIterator[list[str]]:
+    """An :data:`ECHO_PEER` holding each of ``keys``; yields their addresses, and
+    closes their stdin (they end) and waits for them on the way out."""
+    async with AsyncExitStack() as stack:
+        addrs = []
+        for key in keys:
+            cmd = [sys.executable, "-c", ECHO_PEER]
+            proc = await stack.enter_async_context(await anyio.open_process(cmd, stderr=None))
+            assert proc.stdin is not None and proc.stdout is not None
+            await proc.stdin.send(key.hex().encode() + b"\n")
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await proc.stdout.receive()
+            addrs.append(line.decode().strip())
+        yield addrs
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio-selector"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ],
+)
+async def test_one_transport_after_another_each_with_its_key(anyio_backend: Any) -> None:
+    """What `amesh list` does on the asyncio fast path (its loop a plain selector loop):
+    a transport with one key that closes in the turn its serve() starts (the runtime
+    that asks this machine's agent, when there is none), then one per controller,
+    each with that controller's key: every later transport hears its peers' replies.
+
+    (This once failed, and the key was blamed: asyncio's own server registers the
+    listener with the selector and then yields once; a transport closed meanwhile
+    left that registration behind, and the next listener, given the same descriptor
+    number, was never watched: its peers' replies never arrived.)"""
+    keys = [os.urandom(32), os.urandom(32)]
+    with anyio.fail_after(60):
+        async with echo_peers(keys) as peers:
+            with _identity.borrowed_key(os.urandom(32)):
+                first = StreamTransport("abstract")
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(serve_until_closed, first, Inbox().deliver)
+                    await anyio.lowlevel.checkpoint()  # its serve() has started
+                    first.close()
+            for key, peer in zip(keys, peers):
+                with _identity.borrowed_key(key), anyio.fail_after(20):
+                    t, inbox = StreamTransport("abstract"), Inbox()
+                    try:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(t.serve, inbox.deliver)
+                            await t.send(peer, b"ping")
+                            assert await inbox.take(1) == [b"re:ping"]
+                            assert inbox.peers == [peer]
+                            tg.cancel_scope.cancel()
+                    finally:
+                        t.close()
 
 
 @pytest.mark.parametrize("kind", ["nng", "stream"])

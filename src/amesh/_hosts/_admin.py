@@ -17,7 +17,7 @@ from .._errors import SupervisionError
 from .._identity import adopt_key_file
 from .._mesh import registry_read_all
 from .._runtime import open_runtime
-from .._transport import StreamTransport, open_transport
+from .._transport import open_transport
 from ._agent import address_towards
 from ._home import local_key
 from ._inspect import held_logs, held_stacks
@@ -192,12 +192,6 @@ def main(
         _print_list(held, await live_meshes() if hosts is None else None, args.json)
         return 0
 
-    if command in ("list", "stacks", "logs"):
-        # These talk to the workers of one controller after another, each with its
-        # key, a runtime each: after such a change of key, replies over the asyncio
-        # fast path of stream links never arrive (a transport bug, to be fixed
-        # there); the anyio path, a little slower, is right.
-        StreamTransport.fast_asyncio = False
     try:
         return anyio.run(run)
     except KeyboardInterrupt:  # the way out of `amesh logs -f`

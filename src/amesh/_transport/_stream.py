@@ -423,7 +423,11 @@ class StreamTransport:
             # asyncio's own server, out of descriptors, logs a traceback and schedules
             # a retry for each of up to `backlog` (4,096) accepts it tries in a row,
             # and each retry does the same: ~360,000 lines in 3 s, a core busy (3.11 to
-            # 3.13). Accept here instead (uvloop's server rests quietly).
+            # 3.13). Accept here instead (uvloop's server rests quietly). The reader is
+            # added with no await before it, so that close() removes it whenever it
+            # comes: asyncio's server adds it, then yields once, and a transport closed
+            # in that turn left it behind; the next listener, given the same descriptor
+            # number, was then never watched (test_one_transport_after_another_...).
             if self._accept_rest is None:
                 loop.add_reader(self._lsock.fileno(), self._accept_ready)
         elif self._server is None:

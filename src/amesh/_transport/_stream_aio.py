@@ -2,9 +2,10 @@
 
 An inbound connection is an :class:`AioInbound` (a :class:`asyncio.BufferedProtocol`)
 until its peer has proven itself, then the C extension's reader where it is built; an
-outbound link (:class:`AioLink`) dials with the loop's sockets and writes through an
-:class:`AioConn`, whose small frames the C extension's writer takes where it is built.
-What both cores share is in :mod:`._stream_io`.
+outbound link (:class:`AioLink`) dials (:meth:`~._stream_io.LinkCore.dial`, which
+both cores share), hands the socket to the loop and writes through an :class:`AioConn`, whose
+small frames the C extension's writer takes where it is built. What both cores share
+is in :mod:`._stream_io`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
-from ._auth import CHALLENGE_LEN, HANDSHAKE_TIMEOUT, Gate, Refused, answer, check_peer
-from ._base import FIRST_CONNECT_WINDOW
+from ._auth import Gate, Refused, check_peer
 from ._stream_framing import AnyReader, BadStream, Buf, SockAddr, _frame_memory, owned, tail
 from ._stream_io import (
     BATCH_BYTES,
@@ -26,11 +26,9 @@ from ._stream_io import (
     HIGH_WATER,
     IOV_MAX,
     LOW_WATER,
-    RETRY_MAX,
-    RETRY_MIN,
+    CannotConnect,
+    LinkCore,
     LostCallback,
-    Waiters,
-    cannot_connect,
 )
 
 if TYPE_CHECKING:
@@ -382,7 +380,7 @@ def _fast_conn() -> type[AioConn] | None:
 _FastConn = _fast_conn()
 
 
-class AioLink(Waiters):
+class AioLink(LinkCore):
     """The outbound link to one peer, on asyncio.
 
     It dials on its first frame, keeps dialling for a short window while the listener
@@ -392,12 +390,7 @@ class AioLink(Waiters):
 
     __slots__ = (
         "_connector",
-        "_family",
         "_loop",
-        "_on_lost",
-        "_own",
-        "_sockaddr",
-        "addr",
         "batching",
         "conn",
         "pending",
@@ -416,17 +409,12 @@ class AioLink(Waiters):
         batching: bool = True,
         small: int | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(addr, family, sockaddr, own, on_lost)
         self._loop = loop
         #: whether its connection batches writes per turn of the loop (see AioConn)
         self.batching = batching
         #: frames up to this size go by the C extension's writer (None: none do)
         self.small = small
-        self.addr = addr
-        self._family = family
-        self._sockaddr = sockaddr
-        self._own = own
-        self._on_lost = on_lost
         self._connector: asyncio.Task[None] | None = None
         self.conn: AioConn | None = None
         #: Whole frames waiting for a connection, and their size.
@@ -474,46 +462,27 @@ class AioLink(Waiters):
             self._connector = self._loop.create_task(self._connect())
 
     async def _connect(self) -> None:
-        loop, delay = self._loop, RETRY_MIN
-        give_up = loop.time() + FIRST_CONNECT_WINDOW
+        """Dial (see :meth:`~._stream_io.LinkCore.dial`), then hand the socket to the loop: its
+        connection writes the answer first, then the frames queued meanwhile."""
         try:
-            while True:
-                try:
-                    sock = socket.socket(self._family, socket.SOCK_STREAM)
-                except OSError as exc:  # out of file descriptors, say
-                    self.fail(f"cannot make a socket: {exc}")
-                    return
-                try:
-                    sock.setblocking(False)
-                    async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                        await loop.sock_connect(sock, self._sockaddr)
-                        challenge = await _aio_challenge(loop, sock)
-                    kind = AioConn if self.small is None or _FastConn is None else _FastConn
-                    factory = partial(kind, self, answer(challenge, self.addr, self._own))
-                    if self._family == socket.AF_UNIX:
-                        await loop.create_unix_connection(factory, sock=sock)
-                    else:
-                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        await loop.create_connection(factory, sock=sock)
-                    return  # connection_made has taken over the pending frames
-                except Refused as exc:
-                    sock.close()
-                    self.fail(str(exc))
-                    return
-                except OSError as exc:  # refused, no such socket yet, timed out
-                    sock.close()
-                    if loop.time() >= give_up:
-                        self.fail(cannot_connect(exc))
-                        return
-                except Exception as exc:  # anything else fails the link, never hangs it
-                    sock.close()
-                    self.fail(f"cannot connect: {exc!r}")
-                    return
-                except BaseException:
-                    sock.close()
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, RETRY_MAX)
+            try:
+                sock, hello = await self.dial()
+            except CannotConnect as exc:
+                self.fail(str(exc))
+                return
+            kind = AioConn if self.small is None or _FastConn is None else _FastConn
+            factory = partial(kind, self, hello)
+            try:
+                if self._family == socket.AF_UNIX:
+                    await self._loop.create_unix_connection(factory, sock=sock)
+                else:
+                    await self._loop.create_connection(factory, sock=sock)
+            except Exception as exc:  # fails the link, never hangs it
+                sock.close()
+                self.fail(f"cannot connect: {exc!r}")
+            except BaseException:
+                sock.close()
+                raise
         finally:
             self._connector = None
 
@@ -546,14 +515,3 @@ class AioLink(Waiters):
                     conn.flush()  # what waited for the end of the turn goes too
                     conn.transport.close()
             self.wake()
-
-
-async def _aio_challenge(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
-    """The listener's challenge, read from a connected ``sock``."""
-    data = b""
-    while len(data) < CHALLENGE_LEN:
-        got = await loop.sock_recv(sock, CHALLENGE_LEN - len(data))
-        if not got:
-            raise Refused("the listener closed the connection before its challenge")
-        data += got
-    return data

@@ -8,26 +8,21 @@ task per outbound link (:class:`AnyioLink`). What both cores share is in
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import socket
 from collections import deque
 from typing import TYPE_CHECKING
 
 import anyio
 
-from ._auth import CHALLENGE_LEN, HANDSHAKE_TIMEOUT, Gate, Refused, answer, check_peer
-from ._base import FIRST_CONNECT_WINDOW
+from ._auth import Gate, Refused, check_peer
 from ._stream_framing import NOSIGNAL, Buf, SockAddr, owned, tail
 from ._stream_io import (
     HIGH_WATER,
     IOV_MAX,
-    RETRY_MAX,
-    RETRY_MIN,
+    CannotConnect,
+    LinkCore,
     LostCallback,
-    Waiters,
-    cannot_connect,
     notify_closing_quietly,
 )
 
@@ -39,54 +34,20 @@ __all__ = ["AnyioInbound", "AnyioLink"]
 log = logging.getLogger("amesh._transport._stream")
 
 
-async def _connect(family: int, sockaddr: SockAddr) -> tuple[socket.socket, bytes]:
-    """A connected socket, and the challenge its listener sent."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        with anyio.fail_after(HANDSHAKE_TIMEOUT):
-            err = sock.connect_ex(sockaddr)
-            if err in (errno.EINPROGRESS, errno.EAGAIN):
-                await anyio.wait_writable(sock)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err))
-            challenge = b""
-            while len(challenge) < CHALLENGE_LEN:
-                await anyio.wait_readable(sock)
-                try:
-                    got = sock.recv(CHALLENGE_LEN - len(challenge))
-                except (BlockingIOError, InterruptedError):
-                    continue
-                if not got:
-                    raise Refused("the listener closed the connection before its challenge")
-                challenge += got
-        if family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except BaseException:
-        sock.close()
-        raise
-    return sock, challenge
-
-
-class AnyioLink(Waiters):
+class AnyioLink(LinkCore):
     """The outbound link to one peer, driven by a background task (see :meth:`run`).
 
-    Like :class:`AioLink`, it dials on its first frame, for a short window at most,
-    and closes and reports (``on_lost``) when that fails or its connection breaks.
+    Like :class:`AioLink`, it dials on its first frame (:meth:`~._stream_io.LinkCore.dial`:
+    a short window at most), and closes and reports (``on_lost``) when that fails or its
+    connection breaks.
     """
 
     __slots__ = (
         "_closing",
-        "_family",
         "_lost",
-        "_on_lost",
-        "_own",
         "_scope",
-        "_sockaddr",
         "_started",
         "_wakeup",
-        "addr",
         "frames",
         "queued",
         "sock",
@@ -95,12 +56,7 @@ class AnyioLink(Waiters):
     def __init__(
         self, addr: str, family: int, sockaddr: SockAddr, own: str, on_lost: LostCallback
     ) -> None:
-        super().__init__()
-        self.addr = addr
-        self._family = family
-        self._sockaddr = sockaddr
-        self._own = own
-        self._on_lost = on_lost
+        super().__init__(addr, family, sockaddr, own, on_lost)
         self.sock: socket.socket | None = None
         #: Frames not yet written, the first maybe in part (``_started``), and their size.
         self.frames: deque[list[Buf]] = deque()
@@ -180,7 +136,7 @@ class AnyioLink(Waiters):
             with anyio.CancelScope() as self._scope:
                 while not self.frames and not self.closed:
                     await self._wait()
-                if await self._dial():
+                if not self.closed and await self._connect():
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._watch)
                         await self._pump()
@@ -196,32 +152,17 @@ class AnyioLink(Waiters):
                 except Exception:  # a system task must not raise
                     log.exception("reporting the loss of the link to %s", self.addr)
 
-    async def _dial(self) -> bool:
-        """Connect and queue the answer to the challenge first; False if it failed."""
-        delay = RETRY_MIN
-        give_up = anyio.current_time() + FIRST_CONNECT_WINDOW
-        while not self.closed:
-            try:
-                sock, challenge = await _connect(self._family, self._sockaddr)
-            except Refused as exc:
-                self.fail(str(exc))
-                return False
-            except OSError as exc:  # refused, no such socket yet, timed out
-                if anyio.current_time() >= give_up:
-                    self.fail(cannot_connect(exc))
-                    return False
-                await anyio.sleep(delay)
-                delay = min(2 * delay, RETRY_MAX)
-                continue
-            except Exception as exc:  # anything else fails the link, never hangs it
-                self.fail(f"cannot connect: {exc!r}")
-                return False
-            self.sock = sock
-            hello = answer(challenge, self.addr, self._own)
-            self.frames.appendleft([hello])
-            self.queued += len(hello)
-            return True
-        return False
+    async def _connect(self) -> bool:
+        """Dial (see :meth:`~._stream_io.LinkCore.dial`) and queue the answer to the challenge
+        first; False if it failed."""
+        try:
+            self.sock, hello = await self.dial()
+        except CannotConnect as exc:
+            self.fail(str(exc))
+            return False
+        self.frames.appendleft([hello])
+        self.queued += len(hello)
+        return True
 
     async def _pump(self) -> None:
         sock = self.sock
