@@ -78,10 +78,6 @@ from typing import Any
 import anyio
 import msgspec
 
-try:
-    from .._native import _ext
-except ImportError:  # not built (not Linux): no zygote runs anyway
-    _ext = None  # type: ignore[assignment]
 from .._bootstrap import Bootstrap
 from .._config import settings
 

@@ -24,10 +24,6 @@ import types
 import anyio
 import msgspec
 
-try:
-    from .._native import _ext
-except ImportError:  # not built (not Linux): no zygote runs anyway
-    _ext = None  # type: ignore[assignment]
 from .. import _wire
 from .._config import VARIABLES, loop_options, settings, take_internal
 from .._config import reset as reset_settings
