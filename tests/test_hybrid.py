@@ -353,6 +353,11 @@ async def test_the_alias_link_is_the_tls_address_s_own(made: list[Transport]) ->
                 assert a.statistics().peers == 0
                 await a.send(b.address, b"again")
                 assert await inbox_b.take(1) == [b"again"]
+                assert b.alias is not None
+                a.forget(b.alias)  # (by the alias: the tls+tcp address goes too)
+                assert a.statistics().peers == 0
+                await a.send(b.address, b"and again")
+                assert await inbox_b.take(1) == [b"and again"]
                 serving_b.cancel_scope.cancel()
             b.close()
             await reported.wait()

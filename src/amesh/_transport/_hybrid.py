@@ -464,28 +464,34 @@ class HostStreams(StreamTransport):
         self._fast()  # (finds which event loop runs this)
         spawn_system_task(self._backend, report, self._tasks)
 
-    def _link_lost(self, link: Any, why: str) -> None:
+    def _unalias(self, link: Any) -> str | None:
+        """If ``link`` is the link of a ``tls+tcp`` address (see :meth:`_link`), take
+        it out of the table under both its addresses and return that one; else None."""
         alias: str = link.addr
         canonical = self._canonical.pop(alias, None)
-        if canonical is not None and self._links.get(canonical) is link:
-            del self._links[canonical]
-            if self._links.get(alias) is link:
-                del self._links[alias]
-            handler = self._lost_handler
-            if handler is not None and not self._closed:
-                handler(canonical, why)
+        if canonical is not None:
+            for key in (alias, canonical):
+                if self._links.get(key) is link:
+                    del self._links[key]
+        return canonical
+
+    def _link_lost(self, link: Any, why: str) -> None:
+        canonical = self._unalias(link)
+        if canonical is None:
+            super()._link_lost(link, why)
             return
-        super()._link_lost(link, why)
+        handler = self._lost_handler
+        if handler is not None and not self._closed:
+            handler(canonical, why)
 
     def statistics(self) -> TransportStats:
         stats = super().statistics()  # (an alias's link counts once)
         return msgspec.structs.replace(stats, peers=stats.peers - len(self._canonical))
 
     def forget(self, addr: str) -> None:
+        # (by either of its addresses: the link of a tls+tcp address goes under both)
         link = self._links.get(addr)
-        if link is not None and addr.startswith(TLS_PREFIX):
-            alias = link.addr
-            self._canonical.pop(alias, None)
-            if self._links.get(alias) is link:
-                del self._links[alias]
+        if link is not None and self._unalias(link) is not None:
+            link.close(drop=True)
+            return
         super().forget(addr)
