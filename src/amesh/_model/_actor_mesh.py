@@ -102,13 +102,6 @@ class ActorMesh(MeshView, Generic[A]):
             return {0: procs[slots[0]]}
         return {rank: procs[slot] for rank, slot in enumerate(slots)}
 
-    def _wire_shape(self) -> tuple[list[str], list[int]]:
-        """``(labels, sizes)`` of this view, as calls carry them (made once)."""
-        ws = self.__dict__.get("_ws")
-        if ws is None:
-            ws = self.__dict__["_ws"] = (list(self._shape.labels), list(self._shape.sizes))
-        return ws
-
     def _dense_shape(self) -> Shape:
         """This view's labels and sizes as a shape of its own, ranks from 0: what the
         ValueMesh of a call's results and its errors' coordinates use (made once)."""
@@ -117,19 +110,21 @@ class ActorMesh(MeshView, Generic[A]):
             ds = self.__dict__["_ds"] = Shape(self._shape.labels, self._shape.sizes)
         return ds
 
-    def _tree(self) -> Tree | None:
-        """The relay tree, when this mesh is big enough to use one, or spans hosts
-        (made once: it holds the list of addresses that a restart changes in place)."""
-        if "_tr" in self.__dict__:
-            cached: Tree | None = self.__dict__["_tr"]
-            return cached
-        tree: Tree | None = None
-        if self._fanout >= 2 and (
-            len(self._procs) > self._fanout or grouped(self._procs, self._group)
-        ):
-            tree = Tree(self._procs, dict(enumerate(self._shape.slots)), self._fanout, self._group)
-        self.__dict__["_tr"] = tree
-        return tree
+    def _route(self) -> tuple[list[str], list[int], Tree | None]:
+        """How calls to this view travel (made once): the ``labels`` and ``sizes``
+        they carry, and the relay tree, when this mesh is big enough to use one or
+        spans hosts (it holds the list of addresses that a restart changes in place)."""
+        route: tuple[list[str], list[int], Tree | None] | None = self.__dict__.get("_routing")
+        if route is None:
+            tree: Tree | None = None
+            if self._fanout >= 2 and (
+                len(self._procs) > self._fanout or grouped(self._procs, self._group)
+            ):
+                slots = dict(enumerate(self._shape.slots))
+                tree = Tree(self._procs, slots, self._fanout, self._group)
+            shape = self._shape
+            route = self.__dict__["_routing"] = (list(shape.labels), list(shape.sizes), tree)
+        return route
 
     def endpoint(self, desc: EndpointDescriptor[P, R]) -> MeshEndpoint[P, R]:
         """The endpoint ``desc`` of these actors, typed by its signature:

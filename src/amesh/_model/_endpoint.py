@@ -5,7 +5,9 @@ from __future__ import annotations
 import inspect
 import math
 import random
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 import anyio
@@ -35,6 +37,13 @@ class _Deadline(NamedTuple):
 
 
 _NO_DEADLINE = _Deadline(math.inf, None)
+#: a call's replies before it is sent: none (and none can be added)
+_NO_ITEMS: deque[tuple[int, bool, Any]] = deque(maxlen=0)
+
+
+def _not_sent() -> Awaitable[Any]:
+    raise AssertionError("a call's replies are awaited after send_soon()")
+
 
 #: A timeout's message lists at most this many of the ranks that did not answer.
 _MAX_LISTED = 16
@@ -369,7 +378,7 @@ class MeshEndpoint(Generic[P, R]):
         return ValueMesh(shape, results)
 
     @bridged
-    async def call_one(self, *args: P.args, **kwargs: P.kwargs) -> R:
+    def call_one(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
         """Call a mesh of exactly one rank and return its result.
 
         Raises:
@@ -385,10 +394,10 @@ class MeshEndpoint(Generic[P, R]):
                 f"{len(mesh)} ({mesh.sizes}); slice it or use call()"
             )
         payload = self._encode(args, kwargs, targets)
-        return await self._one(targets, payload)
+        return self._one(targets, payload)  # (its coroutine: no second one around it)
 
     @bridged
-    async def choose(self, *args: P.args, **kwargs: P.kwargs) -> R:
+    def choose(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
         """Call one rank: the one with the fewest calls in flight from this caller.
 
         It gets its own element of a scattered (:class:`ValueMesh`) argument.
@@ -405,7 +414,7 @@ class MeshEndpoint(Generic[P, R]):
         rank = random.choice([r for r, n in load.items() if n == least])
         chosen = {rank: targets[rank]}
         payload = self._encode(args, kwargs, chosen)
-        return await self._one(chosen, payload)
+        return self._one(chosen, payload)
 
     async def _one(self, target: dict[int, str], payload: Payloads) -> R:
         """Call the one rank of ``target`` (:meth:`call_one`, :meth:`choose`): its
@@ -415,7 +424,9 @@ class MeshEndpoint(Generic[P, R]):
             sending = op.send_soon(payload)
             if sending is not None:
                 await sending
-            result: R = (await op.reply())[1]
+            while not op.items:  # (op.reply()'s loop, without its coroutine)
+                await op.arrival()
+            result: R = op.take()[1]
         finally:
             op.close()
         return result
@@ -479,7 +490,7 @@ class _Call:
     :meth:`close`. The deadline (the endpoint's timeout) runs from the call's making.
     """
 
-    __slots__ = ("_deadline", "_ep", "_pending", "_rt", "_targets")
+    __slots__ = ("_deadline", "_ep", "_pending", "_rt", "_targets", "arrival", "items")
 
     def __init__(self, ep: MeshEndpoint[Any, Any], targets: dict[int, str]) -> None:
         self._ep = ep
@@ -488,6 +499,11 @@ class _Call:
         self._deadline = _NO_DEADLINE if timeout is None else _deadline(timeout)
         self._rt = current_runtime()
         self._pending: Pending | None = None
+        #: the replies that came and were not taken yet (once sent)
+        self.items: deque[tuple[int, bool, Any]] = _NO_ITEMS
+        #: (once sent) what to call, with no reply to :meth:`take`, for what to await
+        #: until one comes; awaiting it raises TimeoutError if the deadline passes first
+        self.arrival: Callable[[], Awaitable[Any]] = _not_sent
 
     def send_soon(self, payload: Payloads) -> Awaitable[None] | None:
         """Open the call with the runtime (so no reply can be missed) and send its
@@ -496,26 +512,25 @@ class _Call:
         relay tree). No coroutine of its own: this is every call's path."""
         rt, mesh = self._rt, self._ep._mesh
         pending = self._pending = rt.calls.open(mesh.key, self._targets, mesh._shape.slots)
-        labels, sizes = mesh._wire_shape()
+        self.items = pending.items
+        if self._deadline is _NO_DEADLINE:  # (no coroutine of its own in the common case)
+            self.arrival = pending.arrival
+        else:
+            self.arrival = partial(self._before_deadline, pending)
+        labels, sizes, tree = mesh._route()
         return rt.router.send_requests_soon(
-            pending, self._ep._desc.name, labels, sizes, payload, mesh._tree()
+            pending, self._ep._desc.name, labels, sizes, payload, tree
         )
 
     async def cast(self, payload: Payloads) -> None:
         """Send casts instead (no replies: nothing to open); their deadline holds
         for flow control."""
         mesh = self._ep._mesh
-        shape = mesh.shape
+        labels, sizes, tree = mesh._route()
         await self._rt.send_casts(
-            mesh.key,
-            self._targets,
-            self._ep._desc.name,
-            list(shape.labels),
-            list(shape.sizes),
-            payload,
-            mesh._tree(),
+            mesh.key, self._targets, self._ep._desc.name, labels, sizes, payload, tree,
             self._deadline.at,
-        )
+        )  # fmt: skip
 
     async def reply(self) -> tuple[int, Any]:
         """The next reply, in arrival order: ``(called rank, result)``.
@@ -526,28 +541,30 @@ class _Call:
             TimeoutError: the deadline passed; the message names the endpoint and the
                 (mesh) ranks that did not answer.
         """
-        pending = self._pending
-        assert pending is not None, "reply() before send_soon()"
-        if self._deadline is _NO_DEADLINE:
-            # no coroutine of Pending.next's in the common case
-            items = pending.items
-            while not items:
-                await pending.arrival()
-            rank, ok, value = items.popleft()
-        else:
-            rank, ok, value = await self._next(pending)
+        while not self.items:
+            await self.arrival()
+        return self.take()
+
+    def take(self) -> tuple[int, Any]:
+        """The next of the replies that came (:attr:`items` is not empty): see
+        :meth:`reply`, which waits for :attr:`arrival` while :attr:`items` is empty,
+        then takes; a caller that waits for one reply runs that loop itself, one
+        coroutine fewer per call."""
+        rank, ok, value = self.items.popleft()
         if not ok:
             self._ep._raise(rank, value)
         return rank, _wire.loads(*value)
 
-    async def _next(self, pending: Pending) -> tuple[int, bool, Any]:
-        """The next reply as ``pending`` holds it, before the deadline."""
-        if pending.items:
-            return pending.items.popleft()
+    async def _before_deadline(self, pending: Pending) -> None:
+        """:attr:`arrival` of a call with a deadline.
+
+        Raises:
+            TimeoutError: the deadline passed first, as :meth:`reply` says.
+        """
         deadline = self._deadline
         try:
             with anyio.fail_after(max(0.0, deadline.at - anyio.current_time())):
-                return await pending.next()
+                await pending.arrival()
         except TimeoutError:
             silent = sorted(pending.mesh_rank(r) for r in pending.targets)
             where = f"{self._ep._mesh.name}.{self._ep._desc.name}"
@@ -560,4 +577,6 @@ class _Call:
         """Forget the call (once sent); the ranks that have not answered are asked to
         stop."""
         if self._pending is not None:
-            self._rt.close_call(self._pending)
+            waits = self._rt.calls.close(self._pending)
+            if waits:  # (the call ended early: an error, a timeout, a cancel)
+                self._rt.cancel_requests(waits)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from typing import Any
 
 from .. import _wire
@@ -14,6 +14,9 @@ from .._ratelog import RateLimitedLog
 from ._context import native_wakeup_class
 
 __all__ = ["Calls", "Pending", "rank_label"]
+
+#: where a call that every rank answered still waits: nowhere (one for all calls)
+_NOWHERE: tuple[tuple[str, int], ...] = ()
 
 _refusals = RateLimitedLog(logging.getLogger("amesh.runtime"))
 
@@ -91,14 +94,9 @@ class Pending:
         """How messages name called rank ``rank`` (see :func:`rank_label`)."""
         return rank_label(self.mesh_rank(rank), rank)
 
-    async def next(self) -> tuple[int, bool, Any]:
-        while not self.items:
-            await self.arrival()
-        return self.items.popleft()
-
     def arrival(self) -> Awaitable[Any]:
-        """What to await (once, with no reply in :attr:`items`) until one arrives:
-        :meth:`next` without a coroutine of its own."""
+        """What to await (once, with no reply in :attr:`items`) until one arrives
+        (no coroutine of its own)."""
         event = self._event = self._new_event()
         waiting: Awaitable[Any] = event.wait()
         return waiting
@@ -144,7 +142,7 @@ class Calls:
             self.inflight[k] = self.inflight.get(k, 0) + 1
         return pending
 
-    def close(self, pending: Pending) -> set[tuple[str, int]]:
+    def close(self, pending: Pending) -> Collection[tuple[str, int]]:
         """Forget ``pending``; returns where it still waits, as ``(address, request
         id)`` of ranks and relays (see :meth:`Pending.cancels`)."""
         self.pending.pop(pending.call_id, None)
@@ -152,7 +150,7 @@ class Calls:
         if not targets:  # every rank answered (the common case)
             if pending.items or pending.payload is not None:
                 self._drop(pending)
-            return set()
+            return _NOWHERE
         for addr in targets.values():
             self.dec_inflight(addr, pending.actor)
         out = pending.cancels()

@@ -130,7 +130,6 @@ class Dispatch:
 
     def accept(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
         """Queue a request for a local actor, or answer why it cannot run."""
-        key = (env.sender, env.call_id)
         inst = self._actors.get(env.actor)
         if inst is None:
             why = self._gone.get(env.actor)  # (stopped or replaced: says which mesh)
@@ -143,11 +142,10 @@ class Dispatch:
             return
         if isinstance(env, _wire.Call) and env.chain and self._deadlocks(inst, env):
             return
-        self._queued.add(key)
         try:
-            inst.put(env, buffers)
+            if inst.put(env, buffers):  # (one that ran at once never was in the mailbox)
+                self._queued.add((env.sender, env.call_id))
         except anyio.ClosedResourceError:  # the actor is stopping: it takes nothing more
-            self._queued.discard(key)
             self._decline(env, f"actor {env.actor!r} is stopping in process {self.pid}")
 
     def gone(self, key: str, why: str) -> None:

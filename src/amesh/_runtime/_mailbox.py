@@ -213,7 +213,7 @@ class Invocation:
     serial; the loop and a handler's task await it themselves.
     """
 
-    __slots__ = ("actor", "ctx", "env", "handler", "key", "scope", "shm")
+    __slots__ = ("actor", "ctx", "env", "handler", "scope")
 
     def __init__(
         self, actor: ActorInstance, env: _wire.Call | _wire.Cast, handler: Handler | None
@@ -221,15 +221,16 @@ class Invocation:
         self.actor = actor
         self.env = env
         self.handler = handler
-        self.key = (env.sender, env.call_id)
         #: made (by LazyScope) only once the handler waits, see :meth:`_open_scope`
         self.scope: LazyScope | None = None
 
-    def step(self, buffers: list[Any]) -> Awaitable[None] | None:
+    def step(self, buffers: list[Any], queued: bool = True) -> Awaitable[None] | None:
         """Run the handler (arguments in ``buffers``' views) as far as it can without
-        waiting, and reply if it is done. Returns the rest to await, if any."""
-        actor, env, handler, key = self.actor, self.env, self.handler, self.key
-        if not actor.runtime.dispatch.start(key):  # cancelled before it ran
+        waiting, and reply if it is done. Returns the rest to await, if any.
+        ``queued``: the message waited in the mailbox (where a cancel may have found
+        it), which it now leaves; one run the moment it came never was there."""
+        actor, env, handler = self.actor, self.env, self.handler
+        if queued and not actor.runtime.dispatch.start(self.key):  # cancelled before it ran
             return None
         method = env.method
         is_call = type(env) is _wire.Call
@@ -245,8 +246,6 @@ class Invocation:
         # no cancel can reach it, so it needs no scope, nor to be found by one.
         if handler is None or handler.waits or handler.pausable or handler.thread:
             self._open_scope()
-        # one receiver: large buffers may go through shared memory
-        self.shm = type(env) is _wire.Call and is_local_cached(env.reply_to or env.sender)
         token = call_context.set(ctx)
         result: Any = None
         payload: _wire.Payload | None = None
@@ -285,6 +284,18 @@ class Invocation:
             return self._reply(env, result, payload, failure)
         self._ended()
         return self._answer(result, payload, failure)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """How the runtime's dispatch knows the request: ``(sender, call id)``."""
+        return (self.env.sender, self.env.call_id)
+
+    @property
+    def shm(self) -> bool:
+        """Whether large buffers of the result may go through shared memory: one
+        receiver, on this host (asked only of a result that is not plain)."""
+        env = self.env
+        return type(env) is _wire.Call and is_local_cached(env.reply_to or env.sender)
 
     def _open_scope(self) -> LazyScope:
         """The handler's scope, where a cancel (and :meth:`ActorInstance.status`) finds
@@ -474,8 +485,10 @@ class ActorInstance:
     def label(self, method: str = "") -> str:
         return f"{self.name}[{self.rank}]" + (f".{method}" if method else "")
 
-    def put(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> None:
-        """Queue a message and its out-of-band buffers (never blocks).
+    def put(self, env: _wire.Call | _wire.Cast, buffers: list[Any]) -> bool:
+        """Queue a message and its out-of-band buffers (never blocks): True if it
+        waits in the mailbox, False if it ran at once (its rest, if any, then goes
+        ahead of any later message).
 
         Raises:
             anyio.ClosedResourceError: the actor is stopping.
@@ -488,15 +501,16 @@ class ActorInstance:
             # without the loop's turn in between.
             handler = self.handlers.get(env.method)
             if handler is not None and handler.now:
-                left = self._ctx.run(Invocation(self, env, handler).step, buffers)
+                left = self._ctx.run(Invocation(self, env, handler).step, buffers, False)
                 if left is not None:  # the loop awaits it before any later message
                     self._later(left)
-                return
+                return False
         self._queue.append((env, buffers))
         wakeup = self._wakeup
         if wakeup is not None:
             self._wakeup = None
             wakeup.set()
+        return True
 
     def pause_in_greenlet(self, method: str) -> bool:
         """The handler of ``method`` running now pauses in a debugger: True if it runs

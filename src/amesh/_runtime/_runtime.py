@@ -32,7 +32,7 @@ import os
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import anyio
@@ -307,10 +307,10 @@ class Runtime:
         """A cast from ``sender`` left ``actor``'s mailbox (see :meth:`Links.taken`)."""
         self.links.taken(sender, actor, nbytes)
 
-    def close_call(self, pending: Pending) -> None:
-        """Forget ``pending``; ask the ranks (and relays) that did not answer to stop:
-        the call ended early (an error, a timeout, a cancel)."""
-        for addr, request_id in self.calls.close(pending):
+    def cancel_requests(self, waits: Iterable[tuple[str, int]]) -> None:
+        """Ask the ranks (and relays) where a closed call still waits, as
+        :meth:`Calls.close` returns them, to stop."""
+        for addr, request_id in waits:
             if addr not in self.peers.dead:
                 self.links.send_nowait(addr, _wire.Cancel(self.address, request_id))
 

@@ -67,21 +67,24 @@ class Payload:
         return (Payload, (self.data, [pickle.PickleBuffer(b) for b in self.buffers]))
 
 
+class _Plain(Payload):
+    """A small pickle without buffers or segments (most calls' arguments and
+    results): what every payload of its kind has in common are class attributes, so
+    making one sets two slots. Nothing changes a payload once made; these lists are
+    never appended to."""
+
+    __slots__ = ()
+    buffers = parts = lengths = []  # noqa: RUF012
+    segments = ()
+
+
 def plain_payload(data: bytes) -> Payload:
     """``Payload(data)``: a pickle without buffers or segments, made at less cost."""
-    payload = Payload.__new__(Payload)
-    payload.data = data
-    payload.segments = ()
     if len(data) < INLINE_LIMIT:  # the common case
-        payload.inline = data
-        payload.buffers = payload.parts = []
-        payload.lengths = []
-    else:
-        payload.inline = b""
-        payload.buffers = []
-        payload.parts = [data]
-        payload.lengths = [len(data)]
-    return payload
+        payload = _Plain.__new__(_Plain)
+        payload.data = payload.inline = data
+        return payload
+    return Payload(data)
 
 
 def loads(payload: bytes | memoryview, buffers: Sequence[Any] = ()) -> Any:
