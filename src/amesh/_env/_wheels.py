@@ -145,7 +145,9 @@ def _lookup(cache: Path, req: Locked) -> Wheel | None:
 
 
 def _pip(args: Sequence[str], what: str) -> None:
+    # (--no-cache-dir: this cache is the one; pip's would hold a second copy of each)
     command = [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "-q"]
+    command.append("--no-cache-dir")
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=_PIP_TIMEOUT, check=False
