@@ -263,3 +263,14 @@ def test_show_and_check_never_print_a_secret_value(
     assert "hosts not asked" in out
     assert _cli.main(["env", "check", "titan", "--target", "nope"]) == 1
     assert "no target 'nope' (the targets: laptop, lab, cloud, cluster)" in capsys.readouterr().err
+
+
+def test_the_documented_example_reads() -> None:
+    page = (Path(__file__).parent.parent / "docs" / "guides" / "environments.md").read_text()
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    spec = parse_spec(example, "envs/titan.toml")
+    assert sorted(spec.targets) == ["cloud", "cluster", "lab", "laptop"]
+    # the documented error's line is the line of nodes in the documented example
+    with pytest.raises(EnvError) as caught:
+        parse_spec(example.replace("nodes = 4", 'nodes = "four"'), "envs/titan.toml")
+    assert f"{caught.value}" in page
