@@ -20,7 +20,9 @@ from amesh._env import (
     env_hash,
     load_spec,
     parse_spec,
+    resolve,
 )
+from amesh._env._locate import key_lines, line_of, show_path
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -274,3 +276,40 @@ def test_the_documented_example_reads() -> None:
     with pytest.raises(EnvError) as caught:
         parse_spec(example.replace("nodes = 4", 'nodes = "four"'), "envs/titan.toml")
     assert f"{caught.value}" in page
+
+
+def test_the_locator_skips_strings_and_comments_and_reads_inline_tables() -> None:
+    text = textwrap.dedent(
+        '''\
+        name = "x"  # [not.a.table]
+        notes = """
+        [targets.fake]
+        nodes = 1
+        """
+        "quoted key".inner = 'it''s'
+        [targets."my box"]
+        launcher = "local"
+        per_host = { procs = 2, "gpus" = [1, 2] }
+        [[runs]]
+        a = 1
+        [[runs]]
+        a = [
+          { b = 2 },
+          3,
+        ]
+        '''
+    )
+    lines = key_lines(text)
+    assert ("targets", "fake") not in lines
+    assert lines[("quoted key", "inner")] == 6
+    assert lines[("targets", "my box", "per_host", "gpus", 1)] == 9
+    assert lines[("runs", 1, "a", 0, "b")] == 14
+    assert lines[("runs", 1, "a", 1)] == 15
+    assert line_of(lines, ("targets", "my box", "nodes")) == 7
+    assert show_path(("targets", "my box", "per_host")) == 'targets."my box".per_host'
+
+
+def test_a_python_this_controller_does_not_run_is_refused_before_resolving() -> None:
+    spec = parse_spec('name = "x"\npython = "<3.0"\n', "x.toml")
+    with pytest.raises(EnvError, match=r"x.toml: python: this controller's Python .* '<3.0'"):
+        resolve(spec, include_amesh=False, no_index=True)

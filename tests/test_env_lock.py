@@ -198,8 +198,8 @@ def test_a_wheel_whose_hash_is_not_the_locks_is_refused(links: Path, tmp_path: P
 
 
 def test_amesh_wheel_is_built_once_per_source(tmp_path: Path) -> None:
-    """A stand-in source tree (amesh's own build compiles its C extension: too slow
-    for a unit test); the same code builds amesh's."""
+    """A stand-in source tree, which the test may edit (amesh's own is not the test's
+    to change); the same code builds amesh's (the next test)."""
     tree = tmp_path / "tree"
     (tree / "src" / "standin").mkdir(parents=True)
     (tree / "pyproject.toml").write_text(
@@ -241,3 +241,14 @@ def test_the_cli_locks_and_shows_locked_versions(
     assert "  tinya -> 1.0\n" in out and "also locked (1): tinyb==1.1" in out
     assert _cli.main(["env", "check", "envs/exp.toml"]) == 0
     assert "satisfies python = '>=3.11'" in capsys.readouterr().out
+
+
+def test_amesh_own_wheel_builds_from_the_tree_this_amesh_runs_from(tmp_path: Path) -> None:
+    import amesh
+
+    wheel = amesh_wheel(tmp_path / "cache")
+    assert wheel.filename.startswith(f"amesh-{amesh.__version__}-")
+    with zipfile.ZipFile(wheel.path) as zf:
+        names = set(zf.namelist())
+    assert {"amesh/__init__.py", "amesh/_env/_wheels.py", "amesh/py.typed"} <= names
+    assert amesh_wheel(tmp_path / "cache") == wheel
