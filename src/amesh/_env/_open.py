@@ -127,6 +127,6 @@ def open_env(
     if why and locked:
         raise EnvError(f"{where}: {why}, and locked=True: run `amesh env lock {spec.file}`")
     if lock is None or why:
-        log.warning("%s: %s: locking %s again", where, why, spec.name)
+        log.warning("%s: %s: locking %s", where, why, spec.name)
         lock = lock_env(spec, include_amesh=include_amesh, find_links=find_links, no_index=no_index)
     return Env(spec, lock, env_hash(spec, lock))
