@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait for a rank to pause (at most SECONDS; no value: as long as it takes)",
     )
+    from ._env import add_parser as add_env_parser
+
+    add_env_parser(sub)
     return parser
 
 
@@ -196,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
 
         hosts = [h for h in getattr(args, "hosts", "").split(",") if h] or None
         return admin_main(args.command, hosts, getattr(args, "key_file", None), args)
+    if args.command == "env":
+        from ._env import main as env_main
+
+        return env_main(args)
     if args.command == "debug":
         from ._debug import cli as debug_main
         from ._hosts import state_dir

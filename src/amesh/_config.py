@@ -205,6 +205,12 @@ class Settings:
         shown="`~/.cache/amesh`",
     )
     jobs_dir: str = _setting("", "Where Slurm jobs are recorded.", shown="`~/.cache/amesh/jobs`")
+    cache_dir: str = _setting(
+        "",
+        "The controller's cache of environments: the wheels of their locks (`wheels/`, "
+        "content-addressed) and uv's cache (`uv/`).",
+        shown="`~/.cache/amesh`",
+    )
     key_file: str = _setting(
         "",
         "The job key (from `amesh keygen`).",

@@ -1,0 +1,63 @@
+"""Environments, the controller's side: what an environment *is*.
+
+An environment file (TOML, :func:`load_spec`) names the packages, settings, secrets'
+names, workspace and targets of a piece of work; its lock (:func:`lock_env`) pins the
+packages with hashes for the controller's Python and platform; :func:`open_env` reads
+both (locking again when the lock is missing or stale) into an :class:`Env` whose hash
+is its identity; :func:`fetch_wheels` brings every locked package (and amesh itself)
+into the controller's content-addressed wheel cache, once. Hosts building venvs from
+those wheels are the host side's work, not this package's.
+
+This is the package's front door: other packages import only what is exported here.
+``uv`` (the ``env`` extra) is imported only when something is locked.
+"""
+
+from __future__ import annotations
+
+from ._base import EnvError, cache_dir
+from ._commands import add_parser, main
+from ._file import (
+    FORMAT,
+    EnvSpec,
+    HostsTarget,
+    LocalTarget,
+    SlurmTarget,
+    SshTarget,
+    Target,
+    Workspace,
+    load_spec,
+    parse_spec,
+)
+from ._lock import LOCK_FORMAT, Lock, Locked, env_hash, lock_path, read_lock, resolve
+from ._open import Env, lock_env, open_env
+from ._wheels import Wheel, amesh_wheel, fetch_wheels
+
+__all__ = [
+    "FORMAT",
+    "LOCK_FORMAT",
+    "Env",
+    "EnvError",
+    "EnvSpec",
+    "HostsTarget",
+    "LocalTarget",
+    "Lock",
+    "Locked",
+    "SlurmTarget",
+    "SshTarget",
+    "Target",
+    "Wheel",
+    "Workspace",
+    "add_parser",
+    "amesh_wheel",
+    "cache_dir",
+    "env_hash",
+    "fetch_wheels",
+    "load_spec",
+    "lock_env",
+    "lock_path",
+    "main",
+    "open_env",
+    "parse_spec",
+    "read_lock",
+    "resolve",
+]
