@@ -205,6 +205,12 @@ class Settings:
         shown="`~/.cache/amesh`",
     )
     jobs_dir: str = _setting("", "Where Slurm jobs are recorded.", shown="`~/.cache/amesh/jobs`")
+    depot_dir: str = _setting(
+        "",
+        "Where a host agent keeps environments: the wheels and workspace files sent to "
+        "it, a venv per environment and a tree per workspace version.",
+        shown="`~/.cache/amesh/depot`",
+    )
     key_file: str = _setting(
         "",
         "The job key (from `amesh keygen`).",
