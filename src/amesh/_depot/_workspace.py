@@ -19,10 +19,14 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from ._store import BlobStore, file_digest, pid_alive
+
+if TYPE_CHECKING:
+    from pathspec import GitIgnoreSpec
 
 __all__ = ["Entry", "HashCache", "Manifest", "Scanned", "materialise", "scan"]
 
@@ -90,7 +94,7 @@ class HashCache:
         return digest
 
 
-def _spec(lines: Iterable[str]) -> object:
+def _spec(lines: Iterable[str]) -> GitIgnoreSpec:
     from pathspec import GitIgnoreSpec  # (the amesh[env] extra)
 
     return GitIgnoreSpec.from_lines(lines)
@@ -101,7 +105,7 @@ class _Ignored:
     to the root) and the ``.gitignore`` of each directory, for what is under it."""
 
     def __init__(self, excludes: Sequence[str]) -> None:
-        self._specs: list[tuple[str, object]] = [("", _spec(excludes))]
+        self._specs: list[tuple[str, GitIgnoreSpec]] = [("", _spec(excludes))]
 
     def enter(self, rel_dir: str, path: str) -> None:
         """Read the ``.gitignore`` of directory ``rel_dir`` (at ``path``), if any."""
@@ -117,7 +121,7 @@ class _Ignored:
             if base and not rel.startswith(base + "/"):
                 continue
             sub = rel[len(base) + 1 :] if base else rel
-            if spec.match_file(sub + "/" if is_dir else sub):  # type: ignore[attr-defined]
+            if spec.match_file(sub + "/" if is_dir else sub):
                 return True
         return False
 

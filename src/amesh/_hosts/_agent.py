@@ -431,6 +431,7 @@ class HostAgent(DepotEndpoints, Actor):
                     self._watched.discard(owner)
                     rt.peers.unwatch(owner)
                     self._stop_workers_of(owner, f"no lease for {now - last:.1f} s")
+                    self.drop_arriving(owner)
                     self._changed()
                     # A controller on this host that was killed left its segments (its
                     # workers' go as each is reaped); remove whatever dead processes left.

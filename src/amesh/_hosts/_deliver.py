@@ -16,13 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import msgspec
 
+from .._bootstrap import WorkerSpec
 from .._depot import Scanned
 from .._model import ActorMesh
 from ._agent import HostAgent
 from ._provision import CHUNK
 
-__all__ = ["IN_FLIGHT", "Delivered", "EnvPackages", "ProvisionError", "deliver"]
+__all__ = [
+    "IN_FLIGHT",
+    "Delivered",
+    "EnvPackages",
+    "ProvisionError",
+    "deliver",
+    "in_delivered",
+]
 
 #: blobs in flight to one host at a time (each one chunk at a time)
 IN_FLIGHT = 4
@@ -169,3 +178,27 @@ async def deliver(
     if errors:
         raise ProvisionError("; ".join(errors))
     return [d for d in done if d is not None]
+
+
+def in_delivered(spec: WorkerSpec, delivered: list[Delivered] | None, index: int) -> WorkerSpec:
+    """``spec`` for a worker on host ``index`` in what it was given (see
+    :meth:`~amesh._hosts.HostMesh.provision`): the venv's Python, the workspace's tree
+    as its working directory and first on its import path.
+
+    A venv's worker gets ``PYTHONPATH`` set to the tree (or to nothing): the agent's
+    own, which it would inherit, names packages of the agent's interpreter, which
+    would shadow the venv's; and the processes it starts in turn find the tree too."""
+    if delivered is None:
+        return spec
+    d = delivered[index]
+    env = spec.env
+    if d.python:
+        venv = os.path.dirname(os.path.dirname(d.python))
+        env = {"PYTHONPATH": d.workspace, "VIRTUAL_ENV": venv, **spec.env}
+    return msgspec.structs.replace(
+        spec,
+        python=d.python or spec.python,
+        cwd=d.workspace or spec.cwd,
+        path=[d.workspace, *spec.path] if d.workspace else spec.path,
+        env=env,
+    )

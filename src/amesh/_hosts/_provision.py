@@ -77,6 +77,11 @@ class HostDepot:
             writer.abort()
             raise
 
+    def drop(self, sender: str) -> None:
+        """Drop the blobs still arriving from ``sender`` (it is gone)."""
+        for key in [k for k in self._arriving if k[0] == sender]:
+            self._arriving.pop(key).abort()
+
     def close(self) -> None:
         """Drop the blobs still arriving (the agent exits)."""
         for writer in self._arriving.values():
@@ -101,6 +106,11 @@ class DepotEndpoints:
         if self._depot is None:
             self._depot = HostDepot(depot_dir(), f"{socket.gethostname()} ({self.host})")
         return self._depot
+
+    def drop_arriving(self, sender: str) -> None:
+        """Drop the blobs still arriving from controller ``sender`` (it is gone)."""
+        if self._depot is not None:
+            self._depot.drop(sender)
 
     def close_depot(self) -> None:
         """Drop what is still arriving (the agent exits)."""

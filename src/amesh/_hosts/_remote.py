@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
-import msgspec
 
 from .._bootstrap import WorkerSpec
 from .._debug import RemoteDebugger
@@ -42,7 +41,7 @@ from .._shape import Shape
 from .._transport import dial_part, open_transport
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards
-from ._deliver import Delivered, EnvPackages, deliver
+from ._deliver import Delivered, EnvPackages, deliver, in_delivered
 from ._home import found_agent, local_agent, local_agent_address, local_key
 from ._reach import AgentAddress, parse_agent_address, resolves, why_unreachable
 from ._ready import ReadyWaiter
@@ -410,7 +409,7 @@ class _Placement:
         index = spec.slot // self.per_host
         agent = self._hosts._agents.slice(hosts=index)
         where = self._hosts._infos[index]["host"]
-        spec = _in_delivered(spec, self._hosts._delivered, index)
+        spec = in_delivered(spec, self._hosts._delivered, index)
         ready = ReadyWaiter(rt)
         try:
             pid = await agent.start_proc.call_one(ready.token, spec, self.mesh_name)
@@ -420,30 +419,6 @@ class _Placement:
         process = RemoteProcess(agent, pid, _host_port(self._hosts._infos[index]["addr"]))
         msg = await ready.started(process, pid, where)
         return ProcHandle(msg.addr, msg.pid, process, local=False, host=where)
-
-
-def _in_delivered(spec: WorkerSpec, delivered: list[Delivered] | None, index: int) -> WorkerSpec:
-    """``spec`` for a worker on host ``index`` in what it was given (see
-    :meth:`HostMesh.provision`): the venv's Python, the workspace's tree as its working
-    directory and first on its import path.
-
-    A venv's worker gets ``PYTHONPATH`` set to the tree (or to nothing): the agent's
-    own, which it would inherit, names packages of the agent's interpreter, which
-    would shadow the venv's; and the processes it starts in turn find the tree too."""
-    if delivered is None:
-        return spec
-    d = delivered[index]
-    env = spec.env
-    if d.python:
-        venv = os.path.dirname(os.path.dirname(d.python))
-        env = {"PYTHONPATH": d.workspace, "VIRTUAL_ENV": venv, **spec.env}
-    return msgspec.structs.replace(
-        spec,
-        python=d.python or spec.python,
-        cwd=d.workspace or spec.cwd,
-        path=[d.workspace, *spec.path] if d.workspace else spec.path,
-        env=env,
-    )
 
 
 def _agent_address(addr: str) -> str:
