@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ import pytest
 import amesh
 from amesh._depot import MARKER, file_digest, scan
 from amesh._hosts import Delivered, EnvPackages, ProvisionError
+from amesh._hosts._provision import CHUNK
 
 from .depot_wheels import amesh_wheels, requirement, tiny_wheel
 from .test_agent import Agent, shared_key, tcp_runtime
@@ -82,6 +84,7 @@ def project(tmp_path: Path) -> Iterator[Path]:
     (root / "wsmod.py").write_text("VALUE = 1\n")
     (root / ".gitignore").write_text("*.log\n")
     (root / "debug.log").write_text("left out\n")
+    (root / "weights.bin").write_bytes(os.urandom(CHUNK + 17))  # (two chunks)
     sys.path.insert(0, str(root))
     try:
         yield root
@@ -129,7 +132,12 @@ async def test_workers_run_in_the_env_venv_and_workspace_and_a_sync_reaches_them
         async with two_agents(tmp_path, key, monkeypatch) as (a1, a2), tcp_runtime():
             hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
             workspace = scan([project])
-            assert sorted(workspace.manifest.files) == [".gitignore", "probe_actors.py", "wsmod.py"]
+            assert sorted(workspace.manifest.files) == [
+                ".gitignore",
+                "probe_actors.py",
+                "weights.bin",
+                "wsmod.py",
+            ]
             given = await hosts.provision(env, workspace)
             delivered = given.delivered
             assert delivered is not None
@@ -138,7 +146,9 @@ async def test_workers_run_in_the_env_venv_and_workspace_and_a_sync_reaches_them
                 depot = tmp_path / f"depot-{name}"
                 assert d.python == str(depot / "venvs" / env.env_hash / "bin" / "python")
                 assert d.workspace == str(depot / "workspaces" / workspace.manifest.digest())
-                assert (d.blobs_sent, d.bytes_sent) == (len(wheels) + 3, total)
+                assert (d.blobs_sent, d.bytes_sent) == (len(wheels) + 4, total)
+                weights = Path(d.workspace) / "weights.bin"
+                assert weights.read_bytes() == (project / "weights.bin").read_bytes()
             for d, seen in zip(delivered, await probe_all(given)):
                 venv = Path(d.python).parent.parent
                 assert seen["python"] == d.python
@@ -216,7 +226,7 @@ anyio.run(main)
 """
 
 
-async def test_a_peer_without_the_key_cannot_put_a_blob(
+async def test_a_peer_without_the_key_cannot_put_a_blob_nor_one_with_damaged_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     key = shared_key(tmp_path)
@@ -229,5 +239,12 @@ async def test_a_peer_without_the_key_cannot_put_a_blob(
             assert out.stdout.decode().startswith("refused:"), out
             hosts = await amesh.attach([a1.addr], key_file=str(key))
             assert hosts.hosts[0]["auth_refused"] >= 1
-            assert await hosts._agents.depot_missing.call_one([digest]) == [digest]
-    assert not list(tmp_path.glob(f"depot-*/blobs/*/{digest}"))
+            agent = hosts._agents
+            assert await agent.depot_missing.call_one([digest]) == [digest]
+            # a holder of the key is admitted, and still cannot store damaged bytes
+            with pytest.raises(amesh.ActorError, match="refused"):
+                await agent.depot_put.call_one(digest, 0, b"damaged", True)
+            assert await agent.depot_missing.call_one([digest]) == [digest]
+            assert not list(tmp_path.glob("depot-a1/blobs/parts/*"))
+            await agent.depot_put.call_one(digest, 0, b"payload", True)
+            assert await agent.depot_missing.call_one([digest]) == []

@@ -2,8 +2,9 @@
 of an environment's wheels and a workspace's files, then have it build the venv and
 the tree (see :mod:`._provision` for the agent's side).
 
-Hosts are served in parallel; to each, a few blobs travel at once
-(:data:`IN_FLIGHT`), each in chunks of :data:`~._provision.CHUNK` bytes, in order. A
+Hosts are served in parallel; to each, a few calls travel at once
+(:data:`IN_FLIGHT`): a large blob's chunks of :data:`~._provision.CHUNK` bytes, in
+order, or a batch of small blobs (:data:`SMALL`) of as many bytes. A
 host that has a blob already (an earlier run, another controller) is sent nothing of
 it: a second delivery of the same environment and workspace moves no bytes.
 """
@@ -33,8 +34,11 @@ __all__ = [
     "in_delivered",
 ]
 
-#: blobs in flight to one host at a time (each one chunk at a time)
+#: calls in flight to one host at a time (a blob's chunks go one at a time)
 IN_FLIGHT = 4
+#: a blob this small travels with others, up to a chunk's bytes a call: a workspace's
+#: thousands of small files would otherwise cost a round trip each
+SMALL = 256 << 10
 
 
 class ProvisionError(RuntimeError):
@@ -113,9 +117,35 @@ async def _send_missing(
         async with limit:
             await _send_blob(agent, digest, sources[digest], sent)
 
+    async def batch(digests: list[str]) -> None:
+        async with limit:
+            await _send_small(agent, [(d, sources[d]) for d in digests], sent)
+
+    sizes = await anyio.to_thread.run_sync(lambda: [os.path.getsize(sources[d]) for d in missing])
     async with anyio.create_task_group() as tg:
-        for digest in missing:
-            tg.start_soon(one, digest)
+        small: list[str] = []
+        size = 0
+        for digest, n in zip(missing, sizes):
+            if n > SMALL:
+                tg.start_soon(one, digest)
+                continue
+            if size + n > CHUNK:
+                tg.start_soon(batch, small)
+                small, size = [], 0
+            small.append(digest)
+            size += n
+        if small:
+            tg.start_soon(batch, small)
+
+
+async def _send_small(
+    agent: ActorMesh[HostAgent], blobs: list[tuple[str, Path]], sent: _Sending
+) -> None:
+    """Send small blobs ``(digest, local file)`` to ``agent`` in one call."""
+    loaded = await anyio.to_thread.run_sync(lambda: [(d, p.read_bytes()) for d, p in blobs])
+    await agent.depot_put_many.call_one(loaded)
+    sent.blobs += len(loaded)
+    sent.bytes += sum(len(data) for _, data in loaded)
 
 
 async def _deliver_one(

@@ -4,7 +4,8 @@ environments (see :mod:`amesh._depot`), and the endpoints controllers reach them
 Everything arrives over the job's authenticated link, as any call to the agent does:
 its listener admits only peers that prove they hold the job key. A controller asks
 which blobs the host lacks (:meth:`DepotEndpoints.depot_missing`), sends those in
-chunks (:meth:`DepotEndpoints.depot_put`), then asks the host to build the
+chunks (:meth:`DepotEndpoints.depot_put`; small ones many to a call,
+:meth:`DepotEndpoints.depot_put_many`), then asks the host to build the
 environment's venv (:meth:`DepotEndpoints.realise_env`) and the workspace's tree
 (:meth:`DepotEndpoints.materialise`). The depot lives in ``AMESH_DEPOT_DIR``, else
 ``<state dir>/depot``.
@@ -129,6 +130,14 @@ class DepotEndpoints:
         and stored (or refused: nothing is kept)."""
         depot, sender = self.depot(), _sender()
         await anyio.to_thread.run_sync(depot.put, sender, digest, offset, data, last)
+
+    @endpoint(concurrent=True)
+    async def depot_put_many(self, blobs: list[tuple[str, bytes]]) -> None:
+        """Store each of ``blobs``, ``(digest, bytes)`` whole (small files travel
+        together); one whose bytes do not have its digest is refused (raises), and
+        those after it in the list are not stored."""
+        store = self.depot().store
+        await anyio.to_thread.run_sync(lambda: [store.put(d, [data]) for d, data in blobs])
 
     @endpoint(concurrent=True)
     async def realise_env(
