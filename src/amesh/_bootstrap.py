@@ -38,6 +38,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: host agent on another). A worker of another interpreter is exec'd, not forked
     python: str = ""
     cwd: str = ""
+    #: entries put first on its import path (an environment's workspace tree); a
+    #: worker of its host's own interpreter has that process's path after them, one
+    #: of another interpreter (a venv's) that interpreter's own
+    path: list[str] = []
     #: environment variables it gets beside its host's own (the mesh's ``env=``)
     env: dict[str, str] = {}
     #: amesh settings by name (``{"fanout": 4}``): those given to

@@ -211,6 +211,12 @@ class Settings:
         "content-addressed) and uv's cache (`uv/`).",
         shown="`~/.cache/amesh`",
     )
+    depot_dir: str = _setting(
+        "",
+        "Where a host agent keeps environments: the wheels and workspace files sent to "
+        "it, a venv per environment and a tree per workspace version.",
+        shown="`~/.cache/amesh/depot`",
+    )
     key_file: str = _setting(
         "",
         "The job key (from `amesh keygen`).",

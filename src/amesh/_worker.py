@@ -472,7 +472,7 @@ def main(boot: Bootstrap | None = None) -> None:
     if _signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(boot.parent_pid, boot.pdeathsig)
-    sys.path[:] = boot.sys_path
+    sys.path[:] = [*boot.spec.path, *(boot.sys_path or sys.path)]
     _take_output(boot.spec, settings().log_level or "WARNING")
     install_stack_dump()  # its stacks when its event loop cannot answer
     backend = boot.spec.backend  # the event loop its ProcMesh asks for

@@ -22,6 +22,7 @@ from .._debug import set_remote_debuggers
 from .._mesh import set_default_host, set_persistent_host
 from ._agent import DEFAULT_GRACE, parse_listen
 from ._agent import main as agent_main
+from ._deliver import Delivered, EnvPackages, ProvisionError
 from ._home import state_dir
 from ._inprocess import InProcessHost
 from ._local import LocalHost, this_host
@@ -33,9 +34,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_GRACE",
+    "Delivered",
+    "EnvPackages",
     "HostMesh",
     "InProcessHost",
     "LocalHost",
+    "ProvisionError",
     "SlurmJob",
     "admin_main",
     "agent_main",

@@ -69,6 +69,7 @@ from .._runtime import (
 from .._transport import HostStreams, HybridTransport, Limits, Transport, default_impl, open_tls
 from ._home import hold_agent_lock, state_dir
 from ._local import launch_worker, start_zygote
+from ._provision import DepotEndpoints
 
 __all__ = ["AGENT_ACTOR", "DEFAULT_GRACE", "HostAgent", "parse_listen", "serve_agent"]
 
@@ -111,8 +112,9 @@ def _worker_tasks() -> int:
     return TASKS_PER_PROCESS + nng
 
 
-class HostAgent(Actor):
-    """The actor of a host agent: starts, reports and stops workers for controllers.
+class HostAgent(DepotEndpoints, Actor):
+    """The actor of a host agent: starts, reports and stops workers for controllers,
+    and keeps what their environments need (see :mod:`._provision`).
 
     Args:
         host: the address workers listen on (the one controllers reach this host at).
@@ -429,6 +431,7 @@ class HostAgent(Actor):
                     self._watched.discard(owner)
                     rt.peers.unwatch(owner)
                     self._stop_workers_of(owner, f"no lease for {now - last:.1f} s")
+                    self.drop_arriving(owner)
                     self._changed()
                     # A controller on this host that was killed left its segments (its
                     # workers' go as each is reaped); remove whatever dead processes left.
@@ -611,6 +614,7 @@ async def serve_agent(
                     with anyio.move_on_after(5):
                         await child.exited.wait()
                 agent.remove_all_logs()
+                agent.close_depot()
             if lock is not None:
                 os.close(lock)  # (its content still names this agent: it is not held)
             if announce_to:

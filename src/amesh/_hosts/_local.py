@@ -81,19 +81,21 @@ async def launch_worker(
     ``parent`` (``rt`` unless given: a host agent starts workers for a controller
     elsewhere); ``(process, pid)``."""
 
+    # (the zygote is this interpreter, forked; another one, a venv's say, imports
+    # what it has: this process's import path is not its own)
+    same_python = spec.python in ("", sys.executable)
+
     def boot(parent_pid: int, pdeathsig: bool) -> Bootstrap:
         return Bootstrap(
             spec=spec,
             parent=parent or rt.address,
             parent_pid=parent_pid,
             token=token,
-            sys_path=list(sys.path),
+            sys_path=list(sys.path) if same_python else [],
             pdeathsig=pdeathsig,
             key=job_key(),
         )
 
-    # (the zygote is this interpreter, forked)
-    same_python = spec.python in ("", sys.executable)
     zygote = await _zygote_for(rt, child_env) if same_python else None
     if zygote is not None:
         # The zygote forks from its only thread, which lives as long as it does.

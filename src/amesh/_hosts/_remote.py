@@ -16,6 +16,7 @@ of an agent is the loss of every worker on its host.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import logging
 import os
@@ -30,6 +31,7 @@ import anyio
 
 from .._bootstrap import WorkerSpec
 from .._debug import RemoteDebugger
+from .._depot import HashCache, Scanned, scan
 from .._errors import ActorError, SupervisionError
 from .._identity import adopt_key_file, hold_key, read_key_file
 from .._mesh import Holder, ProcHandle, ProcMesh
@@ -39,6 +41,7 @@ from .._shape import Shape
 from .._transport import dial_part, open_transport
 from .._worker import NativeBeats, start_heartbeats
 from ._agent import AGENT_ACTOR, DEFAULT_GRACE, HostAgent, address_towards
+from ._deliver import Delivered, EnvPackages, deliver, in_delivered
 from ._home import found_agent, local_agent, local_agent_address, local_key
 from ._reach import AgentAddress, parse_agent_address, resolves, why_unreachable
 from ._ready import ReadyWaiter
@@ -246,13 +249,25 @@ class HostMesh(MeshView):
     Made by :func:`attach`. ``spawn_procs`` gives a :class:`~amesh.ProcMesh` on them.
     """
 
-    def __init__(self, agents: ActorMesh[HostAgent], infos: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        agents: ActorMesh[HostAgent],
+        infos: list[dict[str, Any]],
+        delivered: list[Delivered] | None = None,
+    ) -> None:
         self._agents = agents
         self._shape = agents.shape
         self._infos = infos
+        #: what each host was given (see provision): where its workers start
+        self._delivered = delivered
 
     def _with_shape(self, shape: Shape) -> HostMesh:
-        return HostMesh(self._agents._with_shape(shape), [self._infos[s] for s in shape.slots])
+        delivered = self._delivered
+        return HostMesh(
+            self._agents._with_shape(shape),
+            [self._infos[s] for s in shape.slots],
+            [delivered[s] for s in shape.slots] if delivered is not None else None,
+        )
 
     def __repr__(self) -> str:
         return f"<HostMesh {[i['host'] for i in self._infos]}>"
@@ -263,6 +278,55 @@ class HostMesh(MeshView):
         ``addr`` (the agent's), ``pid``, ``cpus``, ``grace`` (seconds it keeps the
         workers of a controller it hears no lease from)."""
         return list(self._infos)
+
+    @property
+    def delivered(self) -> list[Delivered] | None:
+        """What :meth:`provision` gave each host (None: nothing; its workers run in
+        their agent's interpreter and working directory)."""
+        return list(self._delivered) if self._delivered is not None else None
+
+    async def provision(
+        self, env: EnvPackages | None = None, workspace: Scanned | None = None
+    ) -> HostMesh:
+        """These hosts, with environment ``env``'s venv and ``workspace``'s tree on
+        each (each sent only what it lacks, built once and reused after): the
+        processes of their ``spawn_procs`` run in that venv's Python, in that tree,
+        which is first on their import path.
+
+        Args:
+            env: the environment's wheels and lock (None: the agents' own Python, or
+                the venv of an earlier provision).
+            workspace: a scanned workspace (see :func:`amesh._depot.scan`; None: the
+                tree of an earlier provision, if any).
+
+        Raises:
+            ProvisionError: a host failed; the message names it and why.
+        """
+        done = await deliver(self._agents, [i["host"] for i in self._infos], env, workspace)
+        if self._delivered is not None:  # what this call did not change stays
+            done = [
+                dataclasses.replace(
+                    d, python=d.python or old.python, workspace=d.workspace or old.workspace
+                )
+                for d, old in zip(done, self._delivered)
+            ]
+        return HostMesh(self._agents, self._infos, done)
+
+    async def sync(
+        self,
+        roots: Sequence[str | os.PathLike[str]],
+        excludes: Sequence[str] = (),
+        cache: HashCache | None = None,
+    ) -> HostMesh:
+        """These hosts with the workspace of ``roots`` as it is now: scanned (see
+        :func:`amesh._depot.scan`), only its changed files sent, a tree made of it on
+        each host; processes spawned from the mesh returned start in that tree.
+
+        Raises:
+            ProvisionError: a host failed; the message names it and why.
+        """
+        scanned = await anyio.to_thread.run_sync(scan, roots, excludes, cache)
+        return await self.provision(workspace=scanned)
 
     def spawn_procs(
         self,
@@ -345,6 +409,7 @@ class _Placement:
         index = spec.slot // self.per_host
         agent = self._hosts._agents.slice(hosts=index)
         where = self._hosts._infos[index]["host"]
+        spec = in_delivered(spec, self._hosts._delivered, index)
         ready = ReadyWaiter(rt)
         try:
             pid = await agent.start_proc.call_one(ready.token, spec, self.mesh_name)
