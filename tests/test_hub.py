@@ -230,6 +230,8 @@ def test_the_hub_setting_is_the_default(
     write_env(project)
     assert cli("push", "exp") == 1
     assert "AMESH_HUB" in capsys.readouterr().err
+    assert cli("push", "exp", "--hub", "ftp://example.invalid/hub") == 1
+    assert "http://" in capsys.readouterr().err
     monkeypatch.setenv("AMESH_HUB", str(tmp_path / "hub"))
     assert cli("push", "exp") == 0
     assert DirHub(tmp_path / "hub").names() == ["exp"]

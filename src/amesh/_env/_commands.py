@@ -1,4 +1,5 @@
-"""``amesh env``: init, lock, show and check an environment file.
+"""``amesh env``: init, lock, show and check an environment file (push, pull and list
+through a hub: :mod:`._hub_commands`).
 
 ``FILE`` is an environment file's path, or a name (``titan`` for ``envs/titan.toml``);
 without one, ``./amesh.toml``.
@@ -34,7 +35,7 @@ HostProbe = Callable[[EnvSpec, str, Target], list[str]]
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``env`` and its commands to the ``amesh`` command's subparsers ``sub``."""
-    env = sub.add_parser("env", help="environment files: init, lock, show, check")
+    env = sub.add_parser("env", help="environment files: init, lock, show, check, push, pull, list")
     cmds = env.add_subparsers(dest="env_command", metavar="COMMAND", required=True)
     init = cmds.add_parser("init", help="write ./amesh.toml from this project's requirements")
     init.add_argument(

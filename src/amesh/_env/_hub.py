@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import secrets
@@ -56,6 +57,9 @@ MAX_UPLOAD = 4 << 20
 #: seconds an HTTP hub has to answer one request
 _HTTP_TIMEOUT = 30.0
 _LATEST = "latest"
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+log = logging.getLogger("amesh.env")
 
 
 class Meta(msgspec.Struct, frozen=True, kw_only=True, rename="kebab"):
@@ -373,8 +377,10 @@ def open_hub(where: str, token_file: str | None = None) -> DirHub | HttpHub:
     """
     if not where:
         raise EnvError("no hub: give --hub DIR_OR_URL, or set AMESH_HUB")
-    scheme = urllib.parse.urlsplit(where).scheme
-    if scheme not in ("http", "https"):
+    url = urllib.parse.urlsplit(where)
+    if url.scheme not in ("http", "https"):
+        if "://" in where:
+            raise EnvError(f"{where}: a hub is a directory, or an http:// or https:// URL")
         return DirHub(Path(where).expanduser())
     token = None
     if token_file:
@@ -382,4 +388,6 @@ def open_hub(where: str, token_file: str | None = None) -> DirHub | HttpHub:
             token = Path(token_file).expanduser().read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise EnvError(f"{token_file}: cannot read the hub's token: {exc}") from None
+    if token and url.scheme == "http" and url.hostname not in _LOOPBACK:
+        log.warning("%s: plain HTTP to another machine carries the token in the clear", where)
     return HttpHub(where, token)
