@@ -20,7 +20,7 @@ from pathlib import Path
 from .._config import settings
 from ._base import EnvError
 from ._file import EnvSpec, parse_spec
-from ._hub import DirHub, HttpHub, Meta, Stored, check_hash, check_name, open_hub
+from ._hub import Hub, Meta, Stored, check_hash, check_name, open_hub
 from ._lock import Lock, env_hash, lock_path, this_platform
 from ._open import stale_reason
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace, path: Path | None) -> int:
     return _list(hub, args.name)
 
 
-def _push(path: Path, hub: DirHub | HttpHub) -> int:
+def _push(path: Path, hub: Hub) -> int:
     if not path.is_file():
         raise EnvError(f"{path}: no such environment file")
     lock_file = lock_path(path)
@@ -133,7 +133,7 @@ def _parse(env: bytes, lock: bytes, env_file: str, lock_file: str) -> tuple[EnvS
     return parse_spec(env_text, env_file), Lock.parse(lock_text, lock_file)
 
 
-def _resolve(ref: str, hub: DirHub | HttpHub) -> tuple[str, str]:
+def _resolve(ref: str, hub: Hub) -> tuple[str, str]:
     """``(name, full hash)`` of ``NAME[@HASH]``, where HASH may be a prefix."""
     name, _, wanted = ref.partition("@")
     check_name(name)
@@ -153,7 +153,7 @@ def _resolve(ref: str, hub: DirHub | HttpHub) -> tuple[str, str]:
     return name, found[0]
 
 
-def _pull(ref: str, hub: DirHub | HttpHub, to: Path, force: bool) -> int:
+def _pull(ref: str, hub: Hub, to: Path, force: bool) -> int:
     name, digest = _resolve(ref, hub)
     stored = hub.get(name, digest)
     if stored is None:
@@ -192,7 +192,7 @@ def _write(path: Path, data: bytes) -> None:
         raise
 
 
-def _list(hub: DirHub | HttpHub, only: str | None) -> int:
+def _list(hub: Hub, only: str | None) -> int:
     names = [check_name(only)] if only else hub.names()
     if not names:
         print(f"{hub}: no environments")
