@@ -217,6 +217,19 @@ class Settings:
         "it, a venv per environment and a tree per workspace version.",
         shown="`~/.cache/amesh/depot`",
     )
+    hub: str = _setting(
+        "",
+        "The hub that `amesh env push`, `pull` and `list` use without `--hub`: a "
+        "directory (a shared filesystem, a git checkout) or the `http(s)://` URL of an "
+        "`amesh hub serve`.",
+        shown="-",
+    )
+    hub_token_file: str = _setting(
+        "",
+        "The file holding the token sent to an HTTP hub (its read token to pull, its "
+        "write token to push).",
+        shown="-",
+    )
     key_file: str = _setting(
         "",
         "The job key (from `amesh keygen`).",

@@ -8,6 +8,10 @@ is its identity; :func:`fetch_wheels` brings every locked package (and amesh its
 into the controller's content-addressed wheel cache, once. Hosts building venvs from
 those wheels are the host side's work, not this package's.
 
+A hub (:func:`open_hub`: a directory, or an ``amesh hub serve`` over HTTP) keeps
+immutable versions of environments, named by their hash, for ``amesh env push``,
+``pull`` and ``list``; the server needs aiohttp (the ``hub`` extra).
+
 This is the package's front door: other packages import only what is exported here.
 ``uv`` (the ``env`` extra) is imported only when something is locked.
 """
@@ -28,6 +32,9 @@ from ._file import (
     load_spec,
     parse_spec,
 )
+from ._hub import DirHub, HttpHub, Meta, open_hub
+from ._hub_server import add_parser as add_hub_parser
+from ._hub_server import main as hub_main
 from ._lock import LOCK_FORMAT, Lock, Locked, env_hash, lock_path, read_lock, resolve
 from ._open import Env, lock_env, open_env
 from ._wheels import Wheel, amesh_wheel, fetch_wheels
@@ -38,6 +45,9 @@ __all__ = [
     "Env",
     "EnvError",
     "EnvSpec",
+    "DirHub",
+    "HttpHub",
+    "Meta",
     "HostsTarget",
     "LocalTarget",
     "Lock",
@@ -52,6 +62,9 @@ __all__ = [
     "cache_dir",
     "env_hash",
     "fetch_wheels",
+    "add_hub_parser",
+    "hub_main",
+    "open_hub",
     "load_spec",
     "lock_env",
     "lock_path",
