@@ -26,6 +26,7 @@ import pytest
 
 from amesh import _cli
 from amesh._env import DirHub, EnvError, Lock, Locked, Meta, env_hash, load_spec, lock_path
+from amesh._env._hub import version_hash
 from amesh._env._lock import lock_inputs, this_platform, this_python
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,8 +64,7 @@ def write_env(project: Path, deps: tuple[str, ...] = (), extra: str = "") -> Pat
 
 
 def version_of(path: Path) -> str:
-    spec = load_spec(path)
-    return env_hash(spec, Lock.parse(lock_path(path).read_text()))
+    return version_hash(path.read_bytes(), lock_path(path).read_bytes())
 
 
 def digest(path: Path) -> str:
@@ -135,12 +135,17 @@ def test_a_version_is_never_rewritten(project: Path, tmp_path: Path) -> None:
     assert cli("push", "exp", "--hub", str(hub)) == 0
     stored = hub / "exp" / version_of(path) / "env.toml"
     kept = stored.read_bytes()
-    # a target changes the file, not the environment (nor its hash): refused, not rewritten
+    first = version_of(path)
+    # a target changes the file, not the environment: a new version, the first kept
     with path.open("a") as out:
         out.write('[targets.here]\nlauncher = "local"\n')
-    assert cli("push", "exp", "--hub", str(hub)) == 1
+    assert cli("push", "exp", "--hub", str(hub)) == 0
     assert stored.read_bytes() == kept
-    meta = DirHub(hub).versions("exp")[0]
+    versions = DirHub(hub).versions("exp")
+    assert {m.hash for m in versions} == {first, version_of(path)}
+    assert len({m.environment for m in versions}) == 1  # (the same venv on a host)
+    assert DirHub(hub).latest("exp") == version_of(path)
+    meta = next(m for m in versions if m.hash == first)
     assert DirHub(hub).put(b"other", b"other", meta) is False
     assert stored.read_bytes() == kept
 
@@ -150,6 +155,7 @@ def test_concurrent_pushes_of_one_version_keep_one(project: Path, tmp_path: Path
     meta = Meta(
         name="exp",
         hash=version_of(path),
+        environment=env_hash(load_spec(path), Lock.parse(lock_path(path).read_text())),
         pushed_by="t@h",
         time="2026-01-01T00:00:00+00:00",
         amesh="0",
@@ -328,6 +334,7 @@ def test_the_http_hub_refuses_whoever_lacks_the_token(
             "meta": {
                 "name": "exp",
                 "hash": version,
+                "environment": env_hash(load_spec(path), Lock.parse(lock_path(path).read_text())),
                 "pushed-by": "a@b",
                 "time": "2026-01-01T00:00:00+00:00",
                 "amesh": "0",

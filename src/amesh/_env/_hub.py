@@ -8,7 +8,9 @@ A hub is a directory (a shared filesystem, a git checkout) or an HTTP server of 
     <hub>/<name>/<hash>/meta.json      who pushed it, when, from what (:class:`Meta`)
     <hub>/<name>/latest                the hash of the version pushed last
 
-``<hash>`` is the environment's identity (:func:`amesh._env.env_hash`). A version is
+``<hash>`` is the version's content hash (:func:`version_hash`: of the file and lock
+bytes, so a changed target is a new version too); ``meta.json`` also records the
+environment's identity (:func:`amesh._env.env_hash`, what names its venvs on hosts). A version is
 written into a directory of its own (``.push-*``) and renamed into place, so readers
 never see half of one and a version directory, once there, is never written again.
 Nothing of the pushing process's environment goes there: the environment file names
@@ -21,6 +23,7 @@ so pulling needs no extra package); :func:`open_hub` picks one for a URL or path
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +48,7 @@ __all__ = [
     "Meta",
     "Stored",
     "check_hash",
+    "version_hash",
     "check_name",
     "open_hub",
 ]
@@ -67,7 +71,9 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, rename="kebab"):
 
     Attributes:
         name: the environment's name.
-        hash: its hash (the version's name).
+        hash: its content hash (the version's name, :func:`version_hash`).
+        environment: the environment's identity (:func:`amesh._env.env_hash`: what
+            names its venv on a host; versions that differ only in targets share it).
         pushed_by: ``user@host`` of who pushed it.
         time: when, ISO 8601 in UTC.
         amesh: the pushing amesh's version.
@@ -79,6 +85,7 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, rename="kebab"):
 
     name: str
     hash: str
+    environment: str
     pushed_by: str
     time: str
     amesh: str
@@ -112,6 +119,16 @@ def check_name(name: str) -> str:
     if not NAME.fullmatch(name):
         raise EnvError(f"{name!r} is not an environment's name ([a-z0-9][a-z0-9._-]*)")
     return name
+
+
+def version_hash(env: bytes, lock: bytes) -> str:
+    """The name of a hub's version of environment file ``env`` and its ``lock``: the
+    sha256 of both, byte for byte (64 hex digits)."""
+    digest = hashlib.sha256(b"amesh-env-version 1\0")
+    for part in (env, lock):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return digest.hexdigest()
 
 
 def check_hash(value: str) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from .._config import settings
 from ._base import EnvError
 from ._file import EnvSpec, parse_spec
-from ._hub import Hub, Meta, Stored, check_hash, check_name, open_hub
+from ._hub import Hub, Meta, Stored, check_hash, check_name, open_hub, version_hash
 from ._lock import Lock, env_hash, lock_path, this_platform
 from ._open import stale_reason
 
@@ -97,21 +97,15 @@ def _push(path: Path, hub: Hub) -> int:
     why = stale_reason(spec, lock)
     if why:
         raise EnvError(f"{lock_file}: {why}: run `amesh env lock {path}` first")
-    digest = env_hash(spec, lock)
-    there = hub.get(spec.name, digest)
-    if there is not None:
-        if (there.env, there.lock) != (env, lock_bytes):
-            raise EnvError(
-                f"{hub}: {spec.name} {digest[:12]} is there with another file or lock "
-                "text (its targets, comments or layout differ; the environment does not): "
-                "a version is never rewritten"
-            )
+    digest = version_hash(env, lock_bytes)
+    if hub.get(spec.name, digest) is not None:
         print(f"{hub}: {spec.name} {digest[:12]} is there already; nothing pushed")
         return 0
     parent = hub.latest(spec.name)
     meta = Meta(
         name=spec.name,
         hash=digest,
+        environment=env_hash(spec, lock),
         pushed_by=f"{getpass.getuser()}@{socket.gethostname()}",
         time=datetime.now(UTC).isoformat(timespec="microseconds"),
         amesh=importlib.metadata.version("amesh"),
@@ -175,8 +169,8 @@ def _pull(ref: str, hub: Hub, to: Path, force: bool) -> int:
 def _verify(stored: Stored, name: str, digest: str, hub: str) -> None:
     """Refuse what does not hash to the version asked for (a hub that lies, or broke)."""
     where = f"{hub}: {name} {digest[:12]}"
-    spec, lock = _parse(stored.env, stored.lock, f"{where}: env.toml", f"{where}: lock")
-    if spec.name != name or env_hash(spec, lock) != digest:
+    spec, _ = _parse(stored.env, stored.lock, f"{where}: env.toml", f"{where}: lock")
+    if spec.name != name or version_hash(stored.env, stored.lock) != digest:
         raise EnvError(f"{where}: its file and lock do not hash to it: the hub broke or lies")
 
 

@@ -37,7 +37,7 @@ import msgspec
 
 from ._base import EnvError
 from ._file import parse_spec
-from ._hub import MAX_UPLOAD, DirHub, Meta, check_hash, check_name, lock_name
+from ._hub import MAX_UPLOAD, DirHub, Meta, check_hash, check_name, lock_name, version_hash
 from ._lock import Lock, env_hash
 
 if TYPE_CHECKING:
@@ -279,5 +279,7 @@ def _verify(name: str, hash: str, pushed: _Push) -> None:
     spec = parse_spec(pushed.env, "env.toml")
     if spec.name != name:
         raise EnvError(f"the file is environment {spec.name!r}'s")
-    if env_hash(spec, Lock.parse(pushed.lock, lock_name(name))) != hash:
+    if version_hash(pushed.env.encode(), pushed.lock.encode()) != hash:
         raise EnvError("the file and lock do not hash to it")
+    if env_hash(spec, Lock.parse(pushed.lock, lock_name(name))) != pushed.meta.environment:
+        raise EnvError("its record names another environment")
