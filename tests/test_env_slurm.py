@@ -7,10 +7,8 @@ reuses what the first built."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import sys
-from collections.abc import Iterator
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -18,40 +16,18 @@ import anyio
 import pytest
 
 from amesh import SlurmJob
-from amesh._depot import MARKER, file_digest, scan
-from amesh._env import amesh_wheel
-from amesh._hosts import AgentBundle, EnvPackages, agent_bundle
+from amesh._depot import MARKER, scan
+from amesh._hosts import AgentBundle, EnvPackages
+from amesh._identity import read_key_file
 from amesh._runtime import open_runtime
 from amesh._transport import open_transport
 
 from .cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
-from .depot_wheels import requirement, tiny_wheel
+from .env_hosts import LOOKUP, NOTHING, SYSTEM_PYTHON, env_project, hide, made  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240), pytest.mark.anyio]
 
 NODES = ("amesh-n1", "amesh-n2")
-SYSTEM_PYTHON = "/usr/bin/python3"
-# On each node: a home of its own over /root (hiding the controller's interpreter,
-# ~/.cache and everything else of root's), then tmpfs over /work (the checkout and its
-# venv) and /tmp (the worktrees, pytest's directories, the controller's wheel cache).
-HIDE = (
-    'mount --bind "$1/$(hostname)" /root && mount -t tmpfs tmpfs /work '
-    '&& mount -t tmpfs tmpfs /tmp && shift && exec "$@"'
-)
-
-PROBE = """
-import sys
-
-import amesh
-
-
-class Probe(amesh.Actor):
-    @amesh.endpoint
-    def where(self) -> dict:
-        import tinypkg
-
-        return {"python": sys.executable, "amesh": amesh.__file__, "tinypkg": tinypkg.VALUE}
-"""
 
 
 @pytest.fixture
@@ -59,50 +35,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def hidden(homes: Path) -> tuple[str, ...]:
-    """The command prefix that hides the controller's files on a node."""
-    return (
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "sh",
-        "-c",
-        HIDE,
-        "sh",
-        str(homes),
-    )
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Iterator[Path]:
-    """A workspace with the actor's module (the controller imports it too)."""
-    root = tmp_path / "project"
-    root.mkdir()
-    (root / "env_probe.py").write_text(PROBE)
-    sys.path.insert(0, str(root))
-    try:
-        yield root
-    finally:
-        sys.path.remove(str(root))
-        sys.modules.pop("env_probe", None)
-
-
-def packages(wheels: list[Path]) -> EnvPackages:
-    requirements = "".join(requirement(w) + "\n" for w in sorted(wheels))
-    return EnvPackages(
-        env_hash=hashlib.sha256(requirements.encode()).hexdigest()[:32],
-        requirements=requirements,
-        wheels=[(w.name, file_digest(w), w) for w in wheels],
-        python_spec=">=3.11",
-    )
-
-
 def on_node(cluster: SlurmCluster, homes: Path, node: str, code: str) -> str:
     """What ``code`` prints, run by the system's Python on ``node`` as agents run."""
     done = cluster.run(
-        "srun", "-N1", "-w", node, *hidden(homes), SYSTEM_PYTHON, "-c", code, timeout=60
+        "srun", "-N1", "-w", node, *hide(homes), SYSTEM_PYTHON, "-c", code, timeout=60
     )
     return done.stdout.strip()
 
@@ -118,12 +54,18 @@ async def open_and_probe(
         time="10:00",
         python=SYSTEM_PYTHON,
         bundle=bundle,
-        wrap=hidden(homes),
+        wrap=hide(homes),
         sbatch_args=("-w", ",".join(NODES)),
     )
     try:
         async with open_runtime(lambda: open_transport("tcp", host=cluster.host_address)):
             hosts = await job.host_mesh()
+            # the key reached the nodes in the job script (the owner's only), and no log
+            key = read_key_file(str(job.dir / "key")).hex()
+            assert stat.S_IMODE((job.dir / "job.sh").stat().st_mode) == 0o600
+            log = (job.dir / f"slurm-{job.job_id}.out").read_text()
+            assert key not in log
+            print("".join(line for line in log.splitlines(True) if "bootstrap" in line))
             given = await hosts.provision(env, scan([project]))
             assert given.delivered is not None
             probe = importlib.import_module("env_probe")
@@ -141,7 +83,7 @@ async def open_and_probe(
 async def test_an_environment_reaches_nodes_with_nothing_but_python(
     slurm_cluster: SlurmCluster,  # noqa: F811
     tmp_path: Path,
-    project: Path,
+    env_project: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.slurm_conf)
@@ -149,22 +91,14 @@ async def test_an_environment_reaches_nodes_with_nothing_but_python(
     homes = tmp_path / "homes"
     for node in NODES:
         (homes / node).mkdir(parents=True, mode=0o700)
-    bundle = agent_bundle(amesh_wheel(tmp_path / "cache").path, tmp_path / "deps")
-    tiny = tiny_wheel(tmp_path / "tiny", "tinypkg", "1.0", {"tinypkg/__init__.py": "VALUE = 41\n"})
-    env = packages([Path(path) for _, _, path in bundle.wheels] + [tiny])
+    bundle, env = made(tmp_path)
 
     # the nodes have Python, and nothing of amesh, its dependencies or the test's
-    lookup = (
-        "import importlib.util as u, os, sys; "
-        "print(sys.executable, [u.find_spec(m) is None for m in "
-        "('amesh', 'msgspec', 'tinypkg', 'uv')], os.path.exists('/work/main'))"
-    )
     for node in NODES:
-        said = on_node(slurm_cluster, homes, node, lookup)
-        assert said == f"{SYSTEM_PYTHON} [True, True, True, True] False"
+        assert on_node(slurm_cluster, homes, node, LOOKUP) == NOTHING
 
     with anyio.fail_after(150):
-        delivered, seen = await open_and_probe(slurm_cluster, homes, bundle, env, project)
+        delivered, seen = await open_and_probe(slurm_cluster, homes, bundle, env, env_project)
     venvs = [homes / node / ".cache" / "amesh" / "agents" / bundle.digest for node in NODES]
     envs = [homes / node / ".cache" / "amesh" / "depot" / "venvs" / env.env_hash for node in NODES]
     for d, s in zip(delivered, seen):
@@ -176,7 +110,7 @@ async def test_an_environment_reaches_nodes_with_nothing_but_python(
 
     # a second job: the agents' venvs and the environment's are used as they are
     with anyio.fail_after(90):
-        delivered, seen = await open_and_probe(slurm_cluster, homes, bundle, env, project)
+        delivered, seen = await open_and_probe(slurm_cluster, homes, bundle, env, env_project)
     assert [(d.blobs_sent, d.bytes_sent) for d in delivered] == [(0, 0)] * len(NODES)
     assert [s["tinypkg"] for s in seen] == [41] * len(NODES)
     assert [(v / MARKER).stat().st_mtime_ns for v in venvs + envs] == built

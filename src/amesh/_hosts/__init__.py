@@ -30,6 +30,7 @@ from ._inprocess import InProcessHost
 from ._local import LocalHost, this_host
 from ._remote import HostMesh, attach, attach_mesh, local_holder, remote_debuggers
 from ._slurm import SlurmJob
+from ._ssh import SshHosts
 
 if TYPE_CHECKING:
     from ._admin import main as admin_main
@@ -44,6 +45,7 @@ __all__ = [
     "LocalHost",
     "ProvisionError",
     "SlurmJob",
+    "SshHosts",
     "admin_main",
     "agent_bundle",
     "agent_main",

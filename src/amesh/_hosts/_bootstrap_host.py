@@ -222,7 +222,8 @@ def _start_agent(
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMESH_")}
     for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
         env.pop(name, None)
-    agent = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    # (its stdout to stderr: stdout is the launcher's channel, over ssh)
+    agent = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)
     deadline = time.monotonic() + START_TIMEOUT
     while not announce.exists():
         if agent.poll() is not None:
