@@ -48,7 +48,7 @@ import threading
 import time
 import urllib.request
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -167,7 +167,7 @@ def _build(venv: Path, wheels: Path, manifest: list[tuple[str, str]], lock: int)
             raise RuntimeError(f"`uv {cmd[1]}` failed: {done.stderr.strip()[-2000:]}")
 
 
-def realise(home: Path, manifest: list[tuple[str, str]], receive: object) -> Path:
+def realise(home: Path, manifest: list[tuple[str, str]], receive: Callable[[Path], None]) -> Path:
     """The agent venv's ``bin/python`` for ``manifest`` under ``home``, built first if
     it is not there; ``receive(dir)`` puts the wheels in ``dir`` (called only then)."""
     venv = home / bundle_digest(manifest)
@@ -182,7 +182,6 @@ def realise(home: Path, manifest: list[tuple[str, str]], receive: object) -> Pat
         shutil.rmtree(venv, ignore_errors=True)
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f".wheels-{venv.name}-", dir=home) as tmp:
-            assert callable(receive)
             receive(Path(tmp))
             received = time.monotonic()
             try:
