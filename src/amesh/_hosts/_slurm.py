@@ -37,6 +37,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -169,36 +171,35 @@ class SlurmJob:
             self.job_id = record["job_id"]
             if self.state() not in _LIVE:
                 self.job_id = None
-        if self.bundle is None:
+        if self.job_id is None:
+            key = await anyio.to_thread.run_sync(self._prepare)
+        else:
+            assert record is not None
+            key = record["key_file"]
+        with self._serving(controller, key) as url:
             if self.job_id is None:
-                await anyio.to_thread.run_sync(self._submit, controller, scheme)
+                await anyio.to_thread.run_sync(self._submit, key, controller, scheme, url)
             elif not self.persistent:
                 atexit.register(self._cancel_quietly)
             addrs = await self._agents()
-        else:
-            addrs = await self._launch(self.bundle, controller, scheme)
-        record = self._record()
-        assert record is not None
-        return await attach(addrs, key_file=record["key_file"])
+        return await attach(addrs, key_file=key)
 
-    async def _launch(self, bundle: AgentBundle, controller: str, scheme: str) -> list[str]:
-        """Submit a job of bootstraps (unless one runs), serve them the bundle while
-        they start; the agents' addresses."""
-        key = self.key_file or str(self.dir / "key")
+    @contextmanager
+    def _serving(self, controller: str, key: str) -> Iterator[str]:
+        """With a bundle, serve it (and hear the agents' addresses) while the block
+        runs; the server's URL ("" without a bundle: the agents announce themselves
+        in the job's directory, on the filesystem the nodes share)."""
+        if self.bundle is None:
+            yield ""
+            return
 
         def on_agent(node: str, addr: str) -> None:
             if _NAME.fullmatch(node):
                 announce(str(self.dir / f"{node}.addr"), addr)
 
-        if self.job_id is None:
-            await anyio.to_thread.run_sync(self._prepare)
-        server = LaunchServer(controller, read_key_file(key), bundle, on_agent)
+        server = LaunchServer(controller, read_key_file(key), self.bundle, on_agent)
         with server.serving():
-            if self.job_id is None:
-                await anyio.to_thread.run_sync(self._submit, controller, scheme, server.url)
-            elif not self.persistent:
-                atexit.register(self._cancel_quietly)
-            return await self._agents()
+            yield server.url
 
     def _prepare(self) -> str:
         """The job's directory, made afresh but for its key; the key file's path."""
@@ -240,8 +241,7 @@ class SlurmJob:
             + "\n"
         )
 
-    def _submit(self, controller: str, listen: str, url: str = "") -> None:
-        key = self._prepare()
+    def _submit(self, key: str, controller: str, listen: str, url: str) -> None:
         script = self.dir / "job.sh"
         text = self._script(key, controller, listen, url)
         with open(os.open(script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
