@@ -249,7 +249,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--route-to", required=True)
     p.add_argument("--fetch", default="", help="the launcher's server (URL)")
     p.add_argument("--stdin", action="store_true", help="key, wheels and the end on stdin")
-    p.add_argument("--name", default=socket.gethostname(), help="this host, to the launcher")
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    p.add_argument("--name", default=node, help="this host, to the launcher")
     return p.parse_args(argv)
 
 
@@ -277,14 +278,19 @@ def main(argv: list[str]) -> int:
     key_file = _key_file(home, key)
     try:
         agent, address = _start_agent(python, args, key_file)
-        if args.stdin:
-            print(f"agent {address}", flush=True)
-            threading.Thread(target=_stop_at_eof, args=(stdin, agent), daemon=True).start()
-        else:
-            _post(args.fetch, key, f"/agent/{args.name}", address.encode())
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda n, _f: agent.send_signal(n))
-        return agent.wait()
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda n, _f: agent.send_signal(n))
+            if args.stdin:
+                print(f"agent {address}", flush=True)
+                threading.Thread(target=_stop_at_eof, args=(stdin, agent), daemon=True).start()
+            else:
+                _post(args.fetch, key, f"/agent/{args.name}", address.encode())
+            return agent.wait()
+        except BaseException:  # (the controller never heard of it: no agent is left)
+            agent.kill()
+            agent.wait()
+            raise
     finally:
         key_file.unlink(missing_ok=True)
 
