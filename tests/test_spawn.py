@@ -727,7 +727,7 @@ def _zygote_of_this_runtime() -> Any:
     from amesh._hosts import _local
     from amesh._runtime import current_runtime
 
-    zygote = _local._ZYGOTES[current_runtime()].zygote
+    zygote = _local._ZYGOTES[current_runtime()][("",)].zygote  # (this interpreter's)
     assert zygote is not None and zygote._base is not None
     return zygote
 

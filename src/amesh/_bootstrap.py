@@ -35,7 +35,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     #: the Python interpreter that runs it, and its working directory; "": those of
     #: the process that starts it (the controller, for a worker on its machine; the
-    #: host agent on another). A worker of another interpreter is exec'd, not forked
+    #: host agent on another). A worker of another interpreter (an environment's venv)
+    #: is forked by a zygote of that interpreter's own, started with its first worker
     python: str = ""
     cwd: str = ""
     #: entries put first on its import path (an environment's workspace tree); a

@@ -75,8 +75,8 @@ class LocalHost:
 async def launch_worker(
     rt: Runtime, token: str, spec: WorkerSpec, child_env: dict[str, str], parent: str = ""
 ) -> tuple[ProcessLike, int]:
-    """Start a worker on this machine as ``spec`` asks (from ``rt``'s zygote, else
-    exec'd: always for another interpreter than this one), with environment
+    """Start a worker on this machine as ``spec`` asks (forked by ``rt``'s zygote for
+    its interpreter, else exec'd), with environment
     ``child_env``, that reports Ready with ``token`` to
     ``parent`` (``rt`` unless given: a host agent starts workers for a controller
     elsewhere); ``(process, pid)``."""
@@ -96,7 +96,7 @@ async def launch_worker(
             key=job_key(),
         )
 
-    zygote = await _zygote_for(rt, child_env) if same_python else None
+    zygote = await _zygote_for(rt, child_env, "" if same_python else spec.python)
     if zygote is not None:
         # The zygote forks from its only thread, which lives as long as it does.
         process = await _fork_worker(zygote, boot(zygote.pid, True), child_env)
@@ -147,36 +147,48 @@ async def _fork_worker(
 
 
 class _ZygoteSlot:
-    """The zygote of one runtime: being started, running, or not to be used."""
+    """One zygote of a runtime: being started, running, or not to be used."""
 
     def __init__(self) -> None:
         self.zygote: Zygote | None = None
         self.ready = anyio.Event()
 
 
-#: One zygote per controller runtime, started with its first local worker.
-_ZYGOTES: weakref.WeakKeyDictionary[Runtime, _ZygoteSlot] = weakref.WeakKeyDictionary()
+#: The zygotes of each runtime, started with its first local worker: one of this
+#: interpreter; and one per other interpreter (an environment's venv) and the variables
+#: that its workers' start takes (``PYTHONPATH``: the environment's workspace tree).
+_ZYGOTES: weakref.WeakKeyDictionary[Runtime, dict[tuple[str, ...], _ZygoteSlot]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-async def _zygote_for(rt: Runtime, child_env: Mapping[str, str]) -> Zygote | None:
-    """``rt``'s zygote, started on first use; None where workers must be exec'd."""
-    from ._zygote import Zygote, enabled
+async def _zygote_for(rt: Runtime, child_env: Mapping[str, str], python: str = "") -> Zygote | None:
+    """``rt``'s zygote for ``python`` ("": this interpreter) and a worker's environment
+    ``child_env``, started on first use; None where the worker must be exec'd."""
+    from ._zygote import Zygote, enabled, startup_key
 
     if not enabled() or rt.closed:
         return None
-    while (slot := _ZYGOTES.get(rt)) is not None and not slot.ready.is_set():
+    slots = _ZYGOTES.setdefault(rt, {})
+    # (this interpreter's zygote forks any worker whose start-up variables it has; one
+    # of another interpreter is started with its first worker's)
+    key = (python, *startup_key(child_env)) if python else ("",)
+    while (slot := slots.get(key)) is not None and not slot.ready.is_set():
         await slot.ready.wait()
     if slot is None:
-        slot = _ZYGOTES[rt] = _ZygoteSlot()
+        slot = slots[key] = _ZygoteSlot()
         try:
             # what the runtime owns is stopped at its exit, in reverse: the zygote,
             # owned before the meshes that use it, stops after them.
-            slot.zygote = await Zygote.start(rt.start_soon, rt.own)
+            env = child_env if python else None
+            slot.zygote = await Zygote.start(rt.start_soon, rt.own, python, env)
         except anyio.get_cancelled_exc_class():
-            del _ZYGOTES[rt]  # let a later start try again
+            del slots[key]  # let a later start try again
             raise
         except Exception as exc:
-            log.warning("no zygote; each worker is exec'd instead: %s", exc)
+            log.warning(
+                "no zygote%s; each worker is exec'd instead: %s", python and f" for {python}", exc
+            )
         finally:
             slot.ready.set()
     zygote = slot.zygote

@@ -91,6 +91,7 @@ __all__ = [
     "ZygoteError",
     "ZygoteProcess",
     "enabled",
+    "startup_key",
 ]
 
 log = logging.getLogger("amesh.hosts")
@@ -122,6 +123,7 @@ _MAX_CHANGES = 16
 class _Boot(msgspec.Struct, frozen=True):
     controller_pid: int
     ctl_fd: int
+    #: the import path it takes (empty: its interpreter's own, as set at its start)
     sys_path: list[str]
 
 
@@ -201,6 +203,13 @@ def enabled() -> bool:
 
 def _startup_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
+
+
+def startup_key(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The variables of ``env`` that a worker's start takes (a forked worker keeps
+    its zygote's), as ``NAME=value`` in order: workers alike in these may share a
+    zygote."""
+    return tuple(f"{k}={v}" for k, v in sorted(_startup_env(env).items()))
 
 
 # -- the controller's side --------------------------------------------------------------
@@ -304,7 +313,11 @@ class Zygote:
 
     @classmethod
     async def start(
-        cls, start_soon: Callable[..., Any], register: Callable[[Zygote], None]
+        cls,
+        start_soon: Callable[..., Any],
+        register: Callable[[Zygote], None],
+        python: str = "",
+        env: Mapping[str, str] | None = None,
     ) -> Zygote:
         """Start a zygote and wait until it serves.
 
@@ -312,18 +325,22 @@ class Zygote:
             start_soon: starts the zygote's reader task in a task group that outlives
                 the zygote (the runtime's).
             register: called with the zygote as soon as it runs, to arrange its stop.
+            python: its interpreter ("": this one, whose import path it takes; another,
+                an environment's venv's, keeps its own).
+            env: its environment (the base of its children's; default this process's).
 
         Raises:
             ZygoteError: it exited or did not report in time.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Popen here, on the event loop's thread (a vfork and exec: a millisecond).
-        boot = _Boot(os.getpid(), theirs.fileno(), list(sys.path))
-        env = dict(os.environ)
+        own = python in ("", sys.executable)
+        boot = _Boot(os.getpid(), theirs.fileno(), list(sys.path) if own else [])
+        env = dict(os.environ if env is None else env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
             popen = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-m", "amesh._hosts._zygote_main"],
+                [python or sys.executable, "-m", "amesh._hosts._zygote_main"],
                 stdin=subprocess.PIPE,
                 env={**env, _BOOT_VAR: msgspec.json.encode(boot).decode()},
                 pass_fds=[theirs.fileno()],

@@ -507,7 +507,8 @@ def main() -> None:
         os._exit(1)
     if os.getppid() != boot.controller_pid:  # the controller died before we could watch
         os._exit(1)
-    sys.path[:] = boot.sys_path
+    if boot.sys_path:  # (a zygote of another interpreter, an environment's, keeps its own)
+        sys.path[:] = boot.sys_path
     raise_open_files()  # a pidfd per child, two descriptors per request; its children too
     raise_processes()  # its children and their threads count against its user's limit
     ctl = socket.socket(fileno=boot.ctl_fd)
