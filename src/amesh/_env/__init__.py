@@ -5,8 +5,10 @@ names, workspace and targets of a piece of work; its lock (:func:`lock_env`) pin
 packages with hashes for the controller's Python and platform; :func:`open_env` reads
 both (locking again when the lock is missing or stale) into an :class:`Env` whose hash
 is its identity; :func:`fetch_wheels` brings every locked package (and amesh itself)
-into the controller's content-addressed wheel cache, once. Hosts building venvs from
-those wheels are the host side's work, not this package's.
+into the controller's content-addressed wheel cache, once. :class:`Environment`
+(``amesh.Environment``) spawns meshes on the file's targets: a :class:`Launcher` per
+kind of target brings its hosts up (:func:`register_launcher`), and the host side
+(:mod:`amesh._hosts`) builds each host's venv and workspace tree.
 
 This is the package's front door: other packages import only what is exported here.
 ``uv`` (the ``env`` extra) is imported only when something is locked.
@@ -15,7 +17,9 @@ This is the package's front door: other packages import only what is exported he
 from __future__ import annotations
 
 from ._base import EnvError, cache_dir
+from ._check import probe_hosts
 from ._commands import add_parser, main
+from ._environment import Environment, find_env_file, read_secrets_file, secret_values
 from ._file import (
     FORMAT,
     EnvSpec,
@@ -30,6 +34,14 @@ from ._file import (
 )
 from ._lock import LOCK_FORMAT, Lock, Locked, env_hash, lock_path, read_lock, resolve
 from ._open import Env, lock_env, open_env
+from ._targets import (
+    HostsLauncher,
+    Launcher,
+    LocalLauncher,
+    host_count,
+    launcher_for,
+    register_launcher,
+)
 from ._wheels import Wheel, amesh_wheel, fetch_wheels
 
 __all__ = [
@@ -38,7 +50,11 @@ __all__ = [
     "Env",
     "EnvError",
     "EnvSpec",
+    "Environment",
+    "HostsLauncher",
     "HostsTarget",
+    "Launcher",
+    "LocalLauncher",
     "LocalTarget",
     "Lock",
     "Locked",
@@ -52,12 +68,19 @@ __all__ = [
     "cache_dir",
     "env_hash",
     "fetch_wheels",
+    "find_env_file",
+    "host_count",
+    "launcher_for",
     "load_spec",
     "lock_env",
     "lock_path",
     "main",
     "open_env",
     "parse_spec",
+    "probe_hosts",
     "read_lock",
+    "read_secrets_file",
+    "register_launcher",
     "resolve",
+    "secret_values",
 ]

@@ -263,6 +263,11 @@ class Lifecycle:
             rt.peers.unwatch(p.addr)
             rt.peer_failed(p.addr, failure_of(self.label, slot, p, "was stopped by its owner"))
             _wire.remove_segments_of(p.pid)
+        # a host that brought machines up for this mesh (an environment's) lets go of them
+        close_host = getattr(self.host, "aclose", None)
+        if close_host is not None:
+            with anyio.CancelScope(shield=True):
+                await close_host()
         st.closed.set()
 
     def agents_of(self, procs: list[ProcHandle]) -> ActorMesh[ProcAgent]:

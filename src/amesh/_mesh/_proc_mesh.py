@@ -926,6 +926,36 @@ class ProcMesh(MeshView):
             return ValueMesh.of(self, [[] for _ in updates])
         return await agents.load_code.call(ValueMesh.of(agents, updates))
 
+    @bridged
+    async def sync(self) -> ValueMesh[list[str]]:
+        """Bring the workspace as it is now to the processes, running: the host sends
+        each machine the files that changed (a new tree there), then each process
+        moves its import path and working directory to the new tree and reloads the
+        modules it imported whose source changed, as :meth:`sync_code` does (respawn
+        actors with ``replace=True`` for their new classes). A mesh spawned from an
+        :class:`amesh.Environment` has a workspace; processes that start later (a
+        restart) start in the new tree.
+
+        Returns:
+            The names of the modules each process reloaded.
+
+        Raises:
+            RuntimeError: this mesh's host has no workspace (it was not spawned from
+                an environment).
+            ActorError: a module failed to reload (an ``ImportError`` naming it).
+        """
+        st = self._live()
+        move = getattr(self._host, "sync_workspace", None)
+        if move is None:
+            raise RuntimeError(
+                f"{self!r} has no workspace to sync: spawn it from an amesh.Environment "
+                "(or push edited modules with sync_code())"
+            )
+        slots = list(self._shape.slots)
+        trees: list[tuple[str, str]] = await move(slots)
+        agents = self._agents(st)
+        return await agents.move_code.call(ValueMesh.of(agents, [list(t) for t in trees]))
+
 
 def _own_settings(values: Mapping[str, Any], **arguments: Any) -> dict[str, Any]:
     """A ProcMesh's ``settings=``, checked (:func:`amesh._config.for_mesh`).

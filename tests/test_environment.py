@@ -1,0 +1,280 @@
+"""``amesh.Environment`` (issue 38, items 2 and 4, and secrets): one environment file
+spawns the same mesh on this machine (its local agent) and on two real agents on
+loopback, switching the target's name only; its workers run in the environment's
+venv (amesh's wheel built from this checkout, its dependencies repacked from this
+interpreter, a tiny wheel the test writes: all offline) with the workspace first on
+their import path; its secrets reach them and nothing on disk; an edited workspace
+reaches the running workers; bad input fails before any worker starts.
+
+One environment is built for the module (its lock, its wheels, its venv on the local
+agent), in a state directory and a wheel cache of the module's own."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from amesh import _config
+from amesh._depot import MARKER, repack
+from amesh._env import Env, EnvError, Environment, load_spec
+from amesh._hosts._home import running_agent
+
+from .depot_wheels import dependencies_of, tiny_wheel
+from .test_agent import shared_key, tcp_runtime
+from .test_provision import two_agents
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+SECRET = "AMESH_TEST_TOKEN"
+SECRET_VALUE = "tok-5f1d0c9e-never-on-disk"
+
+PROBE = """
+import os
+import sys
+
+import amesh
+
+
+class Probe(amesh.Actor):
+    @amesh.endpoint
+    def where(self) -> dict:
+        import tinypkg
+        import wsmod
+
+        return {
+            "pid": os.getpid(),
+            "python": sys.executable,
+            "amesh": amesh.__file__,
+            "tinypkg": tinypkg.VALUE,
+            "wsmod": wsmod.VALUE,
+            "wsmod_file": wsmod.__file__,
+            "cwd": os.getcwd(),
+            "greeting": os.environ.get("GREETING"),
+            "secret": os.environ.get("AMESH_TEST_TOKEN"),
+        }
+"""
+
+ENV_FILE = f"""\
+format = 1
+name = "envtest"
+python = ">=3.11"
+dependencies = ["tinypkg==1.0"]
+env = {{ GREETING = "hello" }}
+secrets = ["{SECRET}"]
+
+[workspace]
+paths = ["../project"]
+
+[targets.laptop]
+launcher = "local"
+per_host = {{ procs = 2 }}
+"""
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # (agents and workers are programs of their own)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The module's folder: its own state directory (the local agent, its depot), wheel
+    cache and wheelhouse; an environment file with its workspace. The local agent is
+    stopped at the end."""
+    root = tmp_path_factory.mktemp("envs")
+    saved = {k: os.environ.get(k) for k in ("AMESH_STATE_DIR", "AMESH_CACHE_DIR")}
+    os.environ["AMESH_STATE_DIR"] = str(root / "state")
+    os.environ["AMESH_CACHE_DIR"] = str(root / "cache")
+    _config.reset(overrides=False)
+    links = root / "links"
+    links.mkdir()
+    for dep in dependencies_of("amesh"):
+        repack(dep, links)
+    tiny_wheel(links, "tinypkg", "1.0", {"tinypkg/__init__.py": "VALUE = 41\n"})
+    project = root / "project"
+    project.mkdir()
+    (project / "probe_actors.py").write_text(PROBE)
+    (project / "wsmod.py").write_text("VALUE = 1\n")
+    (root / "envs").mkdir()
+    (root / "envs" / "envtest.toml").write_text(ENV_FILE)
+    sys.path.insert(0, str(project))
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(project))
+        sys.modules.pop("probe_actors", None)
+        running = running_agent()
+        if running is not None and running[0] > 0:
+            os.kill(running[0], signal.SIGTERM)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _config.reset(overrides=False)
+
+
+@pytest.fixture
+def secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(SECRET, SECRET_VALUE)
+    return SECRET_VALUE
+
+
+def load(home: Path, path: Path | None = None, **kwargs: Any) -> Environment:
+    """The environment of ``path`` (default: the module's), offline."""
+    path = path or home / "envs" / "envtest.toml"
+    return Environment.load(path, find_links=[home / "links"], no_index=True, **kwargs)
+
+
+async def cells(env: Environment, target: str) -> tuple[list[dict[str, Any]], Any]:
+    """What a notebook's cells do: spawn on ``target``, ask every rank where it runs."""
+    probe_actors = importlib.import_module("probe_actors")
+    async with env.spawn_procs(target=target) as procs:
+        probes = await procs.spawn("probe", probe_actors.Probe)
+        seen = list((await probes.where.call()).values())
+        return seen, procs._host.hosts.delivered
+
+
+def venv_of(python: str) -> Path:
+    return Path(python).parent.parent
+
+
+async def test_found_by_name_from_a_folder_below(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (home / "pyproject.toml").touch()  # (the project's root: the search stops there)
+    below = home / "project"
+    monkeypatch.chdir(below)
+    env = Environment.load("envtest", find_links=[home / "links"], no_index=True)
+    assert (env.name, env.spec.file) == ("envtest", str(home / "envs" / "envtest.toml"))
+    assert len(env.hash) == 64 and "tinypkg==1.0" in env.requirements
+    assert list(env.targets) == ["laptop"]
+    with pytest.raises(EnvError, match=r"no environment 'titan': no envs/titan\.toml"):
+        Environment.load("titan")
+
+
+async def test_local_target_runs_in_the_venv_and_a_second_spawn_reuses_it(
+    home: Path, secret: str
+) -> None:
+    env = load(home)
+    with anyio.fail_after(110):
+        seen, delivered = await cells(env, "laptop")
+        assert len(seen) == 2 and len(delivered) == 1
+        d = delivered[0]
+        depot = home / "state" / "depot"
+        assert d.python == str(depot / "venvs" / env.hash / "bin" / "python")
+        assert Path(d.workspace).parent == depot / "workspaces"
+        for s in seen:
+            assert s["python"] == d.python
+            assert Path(s["amesh"]).is_relative_to(venv_of(d.python))  # not this checkout's
+            assert (s["tinypkg"], s["wsmod"], s["greeting"]) == (41, 1, "hello")
+            assert (s["cwd"], s["wsmod_file"]) == (d.workspace, f"{d.workspace}/wsmod.py")
+            assert s["secret"] == secret
+        marker = (venv_of(d.python) / MARKER).stat().st_mtime_ns
+        again, delivered = await cells(env, "laptop")
+        assert (delivered[0].blobs_sent, delivered[0].bytes_sent) == (0, 0)
+        assert (venv_of(d.python) / MARKER).stat().st_mtime_ns == marker  # not built again
+        assert [s["tinypkg"] for s in again] == [41, 41]
+
+
+async def test_the_same_cells_run_on_two_agents_by_the_target_name(
+    home: Path, secret: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = shared_key(tmp_path)
+    with anyio.fail_after(110):
+        async with two_agents(tmp_path, key, monkeypatch) as (a1, a2), tcp_runtime():
+            lab = f'\n[targets.lab]\nlauncher = "hosts"\nagents = ["{a1.addr}", "{a2.addr}"]\n'
+            path = home / "envs" / "lab.toml"  # (its own lock: the same as the module's)
+            path.write_text(ENV_FILE + lab + f'key_file = "{key}"\nper_host = {{ procs = 1 }}\n')
+            env = load(home, path)
+            assert env.hash == load(home).hash  # where it runs is no part of it
+            local, _ = await cells(env, "laptop")
+            remote, delivered = await cells(env, "lab")
+            assert [s["tinypkg"] for s in local + remote] == [41] * 4
+            for s, d, name in zip(remote, delivered, ("a1", "a2")):
+                assert d.python == str(
+                    tmp_path / f"depot-{name}" / "venvs" / env.hash / "bin" / "python"
+                )
+                assert (s["python"], s["wsmod"], s["secret"]) == (d.python, 1, secret)
+            for a in (a1, a2):
+                assert not any(secret in line for line in a.log)
+
+
+async def test_a_sync_reaches_the_running_workers(home: Path, secret: str) -> None:
+    env = load(home)
+    probe_actors = importlib.import_module("probe_actors")
+    wsmod = home / "project" / "wsmod.py"
+    with anyio.fail_after(110):
+        async with env.spawn_procs(target="laptop") as procs:
+            probes = await procs.spawn("probe", probe_actors.Probe)
+            before = list((await probes.where.call()).values())
+            try:
+                wsmod.write_text("VALUE = 2\n")
+                reloaded = await procs.sync()
+                # nothing changed since: nothing reloads
+                unchanged = await procs.sync()
+            finally:
+                wsmod.write_text("VALUE = 1\n")
+            assert list(reloaded.values()) == [["wsmod"], ["wsmod"]]
+            assert list(unchanged.values()) == [[], []]
+            after = list((await probes.where.call()).values())
+            assert [a["pid"] for a in after] == [b["pid"] for b in before]
+            assert [a["wsmod"] for a in after] == [2, 2]
+            new_tree = procs._host.hosts.delivered[0].workspace
+            assert new_tree != before[0]["cwd"]
+            assert {(a["cwd"], a["wsmod_file"]) for a in after} == {
+                (new_tree, f"{new_tree}/wsmod.py")
+            }
+
+
+async def test_a_secret_reaches_workers_and_nothing_on_disk_nor_any_log(
+    home: Path, secret: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    env = load(home)
+    with anyio.fail_after(110):
+        seen, _ = await cells(env, "laptop")
+    assert [s["secret"] for s in seen] == [secret, secret]
+    out, err = capfd.readouterr()
+    assert secret not in out + err + caplog.text
+    for folder in (home / "state", home / "cache", home / "envs"):
+        for path in folder.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                assert secret.encode() not in path.read_bytes(), path
+
+
+async def test_errors_come_before_any_worker_starts(
+    home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = load(home)
+    monkeypatch.delenv(SECRET, raising=False)
+    with pytest.raises(EnvError, match=f"secrets: {SECRET} not set"):
+        env.spawn_procs(target="laptop")
+    monkeypatch.setenv(SECRET, SECRET_VALUE)
+    with pytest.raises(EnvError, match=r"no target 'cluster' \(the targets: laptop\)"):
+        env.spawn_procs(target="cluster")
+    # a secrets file holds what the environment lacks
+    monkeypatch.delenv(SECRET)
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text(f"# mine\nexport {SECRET}='{SECRET_VALUE}'\n")
+    from_file = load(home, secrets_file=secrets)
+    assert from_file.spawn_procs(target="laptop").sizes == {"hosts": 1, "procs": 2}
+    # a Python that the controller's does not satisfy: at load, nothing is locked
+    old = tmp_path / "old.toml"
+    old.write_text('name = "old"\npython = "<3.0"\n')
+    with pytest.raises(EnvError, match=r"does not satisfy '<3\.0'"):
+        load(home, old)
+    assert not (tmp_path / "old.lock").exists()
+    # a launcher that is not there yet
+    cloud = tmp_path / "cloud.toml"
+    cloud.write_text('name = "cloud"\n[targets.cloud]\nlauncher = "ssh"\nhosts = ["a.example"]\n')
+    elsewhere = Environment(Env(load_spec(cloud), env._env.lock, env.hash))
+    with pytest.raises(EnvError, match="launcher 'ssh' is not available yet"):
+        elsewhere.spawn_procs(target="cloud")
