@@ -20,15 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import nbformat
 import pytest
 
 from amesh import _config
 from amesh._depot import MARKER, repack
-from amesh._env import Env, EnvError, Environment, load_spec
+from amesh._env import Env, EnvError, Environment, fetch_wheels, load_spec
 from amesh._hosts._home import running_agent
 
 from .depot_wheels import dependencies_of, tiny_wheel
 from .test_agent import shared_key, tcp_runtime
+from .test_notebook import _EXECUTE as NOTEBOOK
+from .test_notebook import EXAMPLES
+from .test_notebook import _text as notebook_text
 from .test_provision import two_agents
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -278,3 +282,39 @@ async def test_errors_come_before_any_worker_starts(
     elsewhere = Environment(Env(load_spec(cloud), env._env.lock, env.hash))
     with pytest.raises(EnvError, match="launcher 'ssh' is not available yet"):
         elsewhere.spawn_procs(target="cloud")
+
+
+async def test_the_example_notebook_spawns_in_an_environment_and_syncs(
+    home: Path, tmp_path: Path
+) -> None:
+    """examples/environments.ipynb in a kernel, on its own file made offline: the
+    example's, with a workspace of the test's (the notebook edits it, and puts it back)."""
+    workspace = home / "nbws"
+    workspace.mkdir()
+    example = EXAMPLES / "envs" / "demo_ws" / "greeting.py"
+    (workspace / "greeting.py").write_text(example.read_text())
+    path = home / "envs" / "demo.toml"
+    text = (EXAMPLES / "envs" / "demo.toml").read_text()
+    path.write_text(text.replace('paths = ["demo_ws"]', 'paths = ["../nbws"]'))
+    env = load(home, path)  # (locked and fetched here, offline: the notebook finds both)
+    fetch_wheels(env._env.lock, find_links=[home / "links"], no_index=True)
+    executed = tmp_path / "executed.ipynb"
+    with anyio.fail_after(110):
+        run = await anyio.run_process(
+            [
+                *(sys.executable, "-c", NOTEBOOK, str(EXAMPLES / "environments.ipynb")),
+                *(str(executed), str(tmp_path)),
+            ],
+            check=False,
+            env={**os.environ, "EXAMPLE_ENV_FILE": str(path)},
+        )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    nb = nbformat.read(executed, as_version=4)
+    code = [notebook_text(c) for c in nb.cells if c.cell_type == "code"]
+    assert code == [
+        "demo ['laptop']\n",
+        "[(True, 1), (True, 1)]",
+        "reloaded: [['greeting'], ['greeting']]\n[(True, 2), (True, 2)]",
+        "stopped\n",
+    ]
+    assert "VALUE = 1\n" in (workspace / "greeting.py").read_text()
