@@ -23,13 +23,13 @@ import anyio
 import nbformat
 import pytest
 
-from amesh import _config
+from amesh import ProcMesh, _cli, _config
 from amesh._depot import MARKER, repack
 from amesh._env import Env, EnvError, Environment, fetch_wheels, load_spec
 from amesh._hosts._home import running_agent
 
 from .depot_wheels import dependencies_of, tiny_wheel
-from .test_agent import shared_key, tcp_runtime
+from .test_agent import Agent, shared_key, tcp_runtime
 from .test_notebook import _EXECUTE as NOTEBOOK
 from .test_notebook import EXAMPLES
 from .test_notebook import _text as notebook_text
@@ -163,6 +163,8 @@ async def test_found_by_name_from_a_folder_below(
     assert list(env.targets) == ["laptop"]
     with pytest.raises(EnvError, match=r"no environment 'titan': no envs/titan\.toml"):
         Environment.load("titan")
+    relocked = env.lock()  # (resolved again: the same wheels, so the same environment)
+    assert (relocked.hash, relocked.requirements) == (env.hash, env.requirements)
 
 
 async def test_local_target_runs_in_the_venv_and_a_second_spawn_reuses_it(
@@ -282,6 +284,11 @@ async def test_errors_come_before_any_worker_starts(
     elsewhere = Environment(Env(load_spec(cloud), env._env.lock, env.hash))
     with pytest.raises(EnvError, match="launcher 'ssh' is not available yet"):
         elsewhere.spawn_procs(target="cloud")
+    # a mesh of no environment has no workspace to sync
+    with anyio.fail_after(30):
+        async with ProcMesh({"procs": 1}) as plain:
+            with pytest.raises(RuntimeError, match="has no workspace to sync"):
+                await plain.sync()
 
 
 async def test_the_example_notebook_spawns_in_an_environment_and_syncs(
@@ -318,3 +325,33 @@ async def test_the_example_notebook_spawns_in_an_environment_and_syncs(
         "stopped\n",
     ]
     assert "VALUE = 1\n" in (workspace / "greeting.py").read_text()
+
+
+def test_check_asks_a_target_s_agents_what_they_would_need(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``amesh env check --target``: an agent's Python, venv and missing packages; a
+    Python that does not fit is a problem (exit 1). Nothing is sent or built."""
+    key = shared_key(tmp_path)
+    monkeypatch.setenv("AMESH_DEPOT_DIR", str(tmp_path / "depot"))
+    agent = Agent(key)
+    monkeypatch.delenv("AMESH_DEPOT_DIR")
+    try:
+        assert agent._listening.wait(30), agent.log
+        target = f'\n[targets.lab]\nlauncher = "hosts"\nagents = ["{agent.addr}"]\n'
+        path = home / "envs" / "check.toml"
+        path.write_text(ENV_FILE + target + f'key_file = "{key}"\n')
+        env = load(home, path)
+        monkeypatch.chdir(home)
+        assert _cli.main(["env", "check", str(path), "--target", "lab"]) == 0
+        out = capsys.readouterr().out
+        ours = ".".join(map(str, sys.version_info[:3]))
+        count = len(env.requirements)
+        assert f": Python {ours} fits; venv not built yet (the first spawn builds it); " in out
+        assert f"{count} of {count} locked packages to send" in out
+        path.write_text(path.read_text().replace('python = ">=3.11"', 'python = "<3.0"'))
+        assert _cli.main(["env", "check", str(path), "--target", "lab"]) == 1
+        assert f"Python {ours} does NOT satisfy python = '<3.0'" in capsys.readouterr().out
+    finally:
+        assert agent.stop() == 0, agent.log
+    assert not (tmp_path / "depot" / "venvs").exists()
