@@ -29,7 +29,7 @@ from amesh._env import Env, EnvError, Environment, fetch_wheels, load_spec
 from amesh._hosts._home import running_agent
 
 from .depot_wheels import dependencies_of, tiny_wheel
-from .test_agent import Agent, shared_key, tcp_runtime
+from .test_agent import Agent, free_port, shared_key, tcp_runtime
 from .test_notebook import _EXECUTE as NOTEBOOK
 from .test_notebook import EXAMPLES
 from .test_notebook import _text as notebook_text
@@ -284,6 +284,17 @@ async def test_errors_come_before_any_worker_starts(
     elsewhere = Environment(Env(load_spec(cloud), env._env.lock, env.hash))
     with pytest.raises(EnvError, match="launcher 'ssh' is not available yet"):
         elsewhere.spawn_procs(target="cloud")
+    # an agent that is not there: named, and no worker starts
+    monkeypatch.setenv(SECRET, SECRET_VALUE)
+    port = free_port()
+    dead = home / "envs" / "dead.toml"
+    dead.write_text(
+        ENV_FILE + f'[targets.dead]\nlauncher = "hosts"\nagents = ["tcp://127.0.0.1:{port}"]\n'
+    )
+    with anyio.fail_after(60):
+        with pytest.raises(EnvError, match=f"agent at tcp://127.0.0.1:{port} cannot be reached"):
+            async with load(home, dead).spawn_procs(target="dead"):
+                pytest.fail("no worker starts")
     # a mesh of no environment has no workspace to sync
     with anyio.fail_after(30):
         async with ProcMesh({"procs": 1}) as plain:

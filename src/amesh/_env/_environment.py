@@ -117,8 +117,8 @@ def secret_values(spec: EnvSpec, secrets_file: Path | None = None) -> dict[str, 
     if missing:
         where = "this controller's environment" + (f" nor {secrets_file}" if secrets_file else "")
         raise EnvError(
-            f"{spec.file or spec.name}: secrets: {', '.join(missing)} not set (neither "
-            f"in {where}): set them before spawning"
+            f"{spec.file or spec.name}: secrets: {', '.join(missing)} not set (not in "
+            f"{where}): set them before spawning"
         )
     return values
 

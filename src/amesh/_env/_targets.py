@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from .._errors import SupervisionError
 from .._hosts import HostMesh, attach, local_hosts
 from ._base import EnvError
 from ._file import HostsTarget, LocalTarget, SlurmTarget, SshTarget, Target
@@ -94,7 +95,7 @@ class HostsLauncher:
         key = str(env.spec.resolve(target.key_file)) if target.key_file else None
         try:
             return await attach(list(target.agents), key_file=key)
-        except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+        except (OSError, RuntimeError, SupervisionError, TimeoutError, ValueError) as exc:
             raise EnvError(f"{env.spec.name}: {exc}") from exc
 
     async def close(self) -> None:
