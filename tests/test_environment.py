@@ -27,6 +27,7 @@ from amesh import ProcMesh, _cli, _config
 from amesh._depot import MARKER, repack
 from amesh._env import Env, EnvError, Environment, fetch_wheels, load_spec
 from amesh._hosts._home import running_agent
+from amesh._hosts._remote import held_meshes
 
 from .depot_wheels import dependencies_of, tiny_wheel
 from .test_agent import Agent, free_port, shared_key, tcp_runtime
@@ -366,3 +367,19 @@ def test_check_asks_a_target_s_agents_what_they_would_need(
     finally:
         assert agent.stop() == 0, agent.log
     assert not (tmp_path / "depot" / "venvs").exists()
+
+
+async def test_a_persistent_mesh_of_an_environment_is_held_by_the_local_agent(
+    home: Path, secret: str
+) -> None:
+    env = load(home)
+    probe_actors = importlib.import_module("probe_actors")
+    with anyio.fail_after(110):
+        async with env.spawn_procs(target="laptop", name="envheld", persistent=True) as procs:
+            probes = await procs.spawn("probe", probe_actors.Probe)
+            seen = list((await probes.where.call()).values())
+            assert [s["python"] for s in seen] == [procs._host.hosts.delivered[0].python] * 2
+            record = (await held_meshes())["envheld"]
+            assert [pid for _, pid in record["procs"]] == procs.pids
+            await procs.stop()
+            assert "envheld" not in await held_meshes()
