@@ -1,7 +1,8 @@
 """A real SLURM cluster for the tests marked ``slurm``.
 
-``scripts/cluster/up.sh`` runs once per test session (it installs Debian's slurm and munge if
-they are missing) and ``scripts/cluster/down.sh`` at its end. Use it from a test module::
+``scripts/cluster/up.sh`` runs once per test session (it installs Debian's slurm, munge and
+openssh if they are missing) and ``scripts/cluster/down.sh`` at its end. Use it from a test
+module::
 
     import pytest
     from .cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)

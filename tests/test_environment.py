@@ -25,7 +25,16 @@ import pytest
 
 from amesh import ProcMesh, _cli, _config
 from amesh._depot import MARKER, repack
-from amesh._env import Env, EnvError, Environment, fetch_wheels, load_spec
+from amesh._env import (
+    EnvError,
+    Environment,
+    SlurmLauncher,
+    SlurmTarget,
+    SshLauncher,
+    fetch_wheels,
+    launcher_for,
+    load_spec,
+)
 from amesh._hosts._home import running_agent
 from amesh._hosts._remote import held_meshes
 
@@ -279,12 +288,13 @@ async def test_errors_come_before_any_worker_starts(
     with pytest.raises(EnvError, match=r"does not satisfy '<3\.0'"):
         load(home, old)
     assert not (tmp_path / "old.lock").exists()
-    # a launcher that is not there yet
+    # every kind of target has its launcher (ssh and slurm: tests/test_env_ssh.py and
+    # tests/test_env_slurm.py start theirs on hosts that have nothing but Python)
     cloud = tmp_path / "cloud.toml"
     cloud.write_text('name = "cloud"\n[targets.cloud]\nlauncher = "ssh"\nhosts = ["a.example"]\n')
-    elsewhere = Environment(Env(load_spec(cloud), env._env.lock, env.hash))
-    with pytest.raises(EnvError, match="launcher 'ssh' is not available yet"):
-        elsewhere.spawn_procs(target="cloud")
+    spec = load_spec(cloud)
+    assert isinstance(launcher_for(spec.targets["cloud"]), SshLauncher)
+    assert isinstance(launcher_for(SlurmTarget(nodes=2)), SlurmLauncher)
     # an agent that is not there: named, and no worker starts
     monkeypatch.setenv(SECRET, SECRET_VALUE)
     port = free_port()

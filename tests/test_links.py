@@ -205,6 +205,7 @@ async def test_direct_requests_after_a_full_link_wait_for_it_and_go_in_order() -
     each to its own rank, and every one is counted as sent."""
     from amesh import _wire
     from amesh._runtime._calls import Calls
+    from amesh._runtime._context import native_waiter
     from amesh._runtime._router import Router
     from amesh._wire import plain_payload
 
@@ -223,7 +224,7 @@ async def test_direct_requests_after_a_full_link_wait_for_it_and_go_in_order() -
             self.sent.append((addr, env.rank))
 
     links = Links()
-    calls = Calls(anyio.Event)
+    calls = Calls(native_waiter())
     router = Router(calls, links, {})  # type: ignore[arg-type]
     payload = plain_payload(b"args")
     with anyio.fail_after(10):

@@ -105,7 +105,8 @@ trap on_exit EXIT
 # ---- install ------------------------------------------------------------------------------
 t_install=$(now)
 missing=()
-for pkg in munge slurmctld slurmd slurm-client; do
+# (openssh: tests/test_env_ssh.py starts sshd on nodes, for the `ssh` target)
+for pkg in munge slurmctld slurmd slurm-client openssh-server openssh-client; do
     dpkg-query -W -f='${Status}\n' "$pkg" 2>/dev/null | grep -q '^install ok installed$' ||
         missing+=("$pkg")
 done
@@ -129,7 +130,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
         MADE_POLICY=0
     fi
 fi
-for cmd in munged mungekey slurmctld slurmd sbatch nsenter unshare setpriv flock; do
+for cmd in munged mungekey slurmctld slurmd sbatch nsenter unshare setpriv flock sshd ssh ssh-keygen; do
     command -v "$cmd" >/dev/null || { log "$cmd not found"; exit 1; }
 done
 log "install: $(elapsed "$t_install") s"

@@ -140,9 +140,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait for a rank to pause (at most SECONDS; no value: as long as it takes)",
     )
+    from ._env import add_hub_parser
     from ._env import add_parser as add_env_parser
 
     add_env_parser(sub)
+    add_hub_parser(sub)
     return parser
 
 
@@ -203,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._env import main as env_main
 
         return env_main(args)
+    if args.command == "hub":
+        from ._env import hub_main
+
+        return hub_main(args)
     if args.command == "debug":
         from ._debug import cli as debug_main
         from ._hosts import state_dir

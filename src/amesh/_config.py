@@ -217,6 +217,19 @@ class Settings:
         "it, a venv per environment and a tree per workspace version.",
         shown="`~/.cache/amesh/depot`",
     )
+    hub: str = _setting(
+        "",
+        "The hub that `amesh env push`, `pull` and `list` use without `--hub`: a "
+        "directory (a shared filesystem, a git checkout) or the `http(s)://` URL of an "
+        "`amesh hub serve`.",
+        shown="-",
+    )
+    hub_token_file: str = _setting(
+        "",
+        "The file holding the token sent to an HTTP hub (its read token to pull, its "
+        "write token to push).",
+        shown="-",
+    )
     key_file: str = _setting(
         "",
         "The job key (from `amesh keygen`).",
@@ -556,16 +569,21 @@ def warn_unknown(stacklevel: int = 1) -> None:
         warnings.warn(text, stacklevel=stacklevel + 1)
 
 
-def for_mesh(values: Mapping[str, Any]) -> dict[str, Any]:
+def for_mesh(values: Mapping[str, Any], given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``values`` a mesh gives its workers (``ProcMesh(settings=)``), checked as
-    :func:`configure` checks its own.
+    :func:`configure` checks its own; ``given``: the settings the mesh also takes as
+    arguments (``ProcMesh(fanout=...)``), None where not given.
 
     Raises:
         ConfigError: an unknown setting, one that belongs to a whole process (its
             transport, a file: :func:`configure` or its variable sets it), or a value
-            it cannot take; the message names the setting.
+            it cannot take; the message names the setting. Or one is given twice: as
+            an argument and in ``values``.
     """
     _known(values)
+    for name, value in (given or {}).items():
+        if value is not None and name in values and values[name] is not None:
+            raise ConfigError(f"{name} is given twice: as an argument and in settings=")
     for name in values:
         if not _rule(name).mesh:
             mine = ", ".join(n for n in _FIELDS if _rule(n).mesh)

@@ -55,6 +55,24 @@ def _record_line(arcname: str, data: bytes) -> str:
     return f"{arcname},sha256={digest},{len(data)}"
 
 
+def _script(arcname: str, path: Path) -> str:
+    """The name under ``.data/scripts/`` of a file installed outside site-packages
+    (``../../../bin/uv``), if it goes back into the wheel; "" if not.
+
+    Only programs go back (uv's binary, which a host that builds venvs needs): a
+    script starting with ``#!`` names this interpreter's path, and the console
+    scripts among them are made again at install from ``entry_points.txt``."""
+    parts = arcname.split("/")
+    if len(parts) != 5 or parts[:4] != ["..", "..", "..", "bin"]:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return ""
+    return parts[4] if head != b"#!" else ""
+
+
 def repack(name: str, out_dir: str | os.PathLike[str]) -> Path:
     """A wheel of installed distribution ``name``, written into ``out_dir``; its path.
 
@@ -71,10 +89,16 @@ def repack(name: str, out_dir: str | os.PathLike[str]) -> Path:
     info = f"{_normal(dist.metadata['Name'])}-{version}.dist-info"
     wheel_text = dist.read_text("WHEEL") or ""
     members: list[tuple[str, Path]] = []
+    scripts = f"{_normal(dist.metadata['Name'])}-{version}.data/scripts"
     for f in dist.files or ():
         arcname = str(f).replace(os.sep, "/")
-        if arcname.startswith("../") or "__pycache__/" in arcname or arcname.endswith(".pyc"):
-            continue  # scripts installed outside site-packages, compiled Python
+        if arcname.startswith("../"):
+            script = _script(arcname, Path(str(dist.locate_file(f))))
+            if script:
+                members.append((f"{scripts}/{script}", Path(str(dist.locate_file(f)))))
+            continue
+        if "__pycache__/" in arcname or arcname.endswith(".pyc"):
+            continue  # compiled Python
         if arcname.startswith(info + "/") and arcname.rsplit("/", 1)[1] in _INSTALLER_FILES:
             continue
         members.append((arcname, Path(str(dist.locate_file(f)))))

@@ -10,6 +10,10 @@ into the controller's content-addressed wheel cache, once. :class:`Environment`
 kind of target brings its hosts up (:func:`register_launcher`), and the host side
 (:mod:`amesh._hosts`) builds each host's venv and workspace tree.
 
+A hub (:func:`open_hub`: a directory, or an ``amesh hub serve`` over HTTP) keeps
+immutable versions of environments, named by their hash, for ``amesh env push``,
+``pull`` and ``list``; the server needs aiohttp (the ``hub`` extra).
+
 This is the package's front door: other packages import only what is exported here.
 ``uv`` (the ``env`` extra) is imported only when something is locked.
 """
@@ -32,12 +36,17 @@ from ._file import (
     load_spec,
     parse_spec,
 )
+from ._hub import DirHub, HttpHub, Meta, open_hub
+from ._hub_server import add_parser as add_hub_parser
+from ._hub_server import main as hub_main
 from ._lock import LOCK_FORMAT, Lock, Locked, env_hash, lock_path, read_lock, resolve
 from ._open import Env, lock_env, open_env
 from ._targets import (
     HostsLauncher,
     Launcher,
     LocalLauncher,
+    SlurmLauncher,
+    SshLauncher,
     host_count,
     launcher_for,
     register_launcher,
@@ -50,15 +59,20 @@ __all__ = [
     "Env",
     "EnvError",
     "EnvSpec",
+    "DirHub",
     "Environment",
     "HostsLauncher",
+    "HttpHub",
+    "Meta",
     "HostsTarget",
     "Launcher",
     "LocalLauncher",
     "LocalTarget",
     "Lock",
     "Locked",
+    "SlurmLauncher",
     "SlurmTarget",
+    "SshLauncher",
     "SshTarget",
     "Target",
     "Wheel",
@@ -68,9 +82,12 @@ __all__ = [
     "cache_dir",
     "env_hash",
     "fetch_wheels",
+    "add_hub_parser",
     "find_env_file",
     "host_count",
+    "hub_main",
     "launcher_for",
+    "open_hub",
     "load_spec",
     "lock_env",
     "lock_path",

@@ -1,4 +1,5 @@
-"""``amesh env``: init, lock, show and check an environment file.
+"""``amesh env``: init, lock, show and check an environment file (push, pull and list
+through a hub: :mod:`._hub_commands`).
 
 ``FILE`` is an environment file's path, or a name (``titan`` for ``envs/titan.toml``);
 without one, ``./amesh.toml``.
@@ -18,6 +19,9 @@ from pathlib import Path
 from ._base import EnvError
 from ._check import probe_hosts
 from ._file import EnvSpec, LocalTarget, SlurmTarget, SshTarget, Target, load_spec, parse_spec
+from ._hub_commands import COMMANDS as HUB_COMMANDS
+from ._hub_commands import add_parsers as add_hub_parsers
+from ._hub_commands import run as run_hub
 from ._lock import Lock, env_hash, lock_path, read_lock, this_python
 from ._open import lock_env, stale_reason
 from ._specs import check_requirement, python_satisfies, requirement_name
@@ -33,7 +37,7 @@ HostProbe = Callable[[EnvSpec, str, Target], list[tuple[str, bool]] | None]
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``env`` and its commands to the ``amesh`` command's subparsers ``sub``."""
-    env = sub.add_parser("env", help="environment files: init, lock, show, check")
+    env = sub.add_parser("env", help="environment files: init, lock, show, check, push, pull, list")
     cmds = env.add_subparsers(dest="env_command", metavar="COMMAND", required=True)
     init = cmds.add_parser("init", help="write ./amesh.toml from this project's requirements")
     init.add_argument(
@@ -66,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="leave amesh's own requirements out (for hosts that have amesh already)",
     )
+    add_hub_parsers(cmds)
 
 
 def env_file(arg: str | None) -> Path:
@@ -91,6 +96,8 @@ def main(args: argparse.Namespace, probe: HostProbe | None = None) -> int:
     try:
         if args.env_command == "init":
             return _init(args.name, args.source)
+        if args.env_command in HUB_COMMANDS:
+            return run_hub(args, env_file(args.file) if args.env_command == "push" else None)
         path = env_file(args.file)
         if not path.exists():
             raise EnvError(f"{path}: no such environment file (`amesh env init` writes one)")

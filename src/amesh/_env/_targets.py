@@ -6,18 +6,23 @@ attached host agents, before anything is sent to them (the environment's venv an
 workspace are the caller's work: :mod:`._environment`), and cleans up after: agents
 it started, a job it submitted. Launchers are found by name in a registry
 (:func:`register_launcher`), so a launcher lives in a module of its own and this one
-knows only their protocol; ``local`` (this machine's agent) and ``hosts`` (agents
-already running) are here.
+knows only their protocol. Here: ``local`` (this machine's agent), ``hosts`` (agents
+already running), and ``ssh`` and ``slurm`` (agents started on hosts that have nothing
+but Python, from an agent bundle of amesh's wheel and its dependencies': see
+:class:`amesh._hosts.SshHosts` and :class:`amesh._hosts.SlurmJob`).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import anyio
+
 from .._errors import SupervisionError
-from .._hosts import HostMesh, attach, local_hosts
-from ._base import EnvError
+from .._hosts import AgentBundle, HostMesh, SlurmJob, SshHosts, agent_bundle, attach, local_hosts
+from ._base import EnvError, cache_dir
 from ._file import HostsTarget, LocalTarget, SlurmTarget, SshTarget, Target
 from ._open import Env
 from ._wheels import Wheel
@@ -26,6 +31,8 @@ __all__ = [
     "HostsLauncher",
     "Launcher",
     "LocalLauncher",
+    "SlurmLauncher",
+    "SshLauncher",
     "check_launcher",
     "host_count",
     "launcher_for",
@@ -64,6 +71,22 @@ class Launcher(Protocol):
 
 LauncherFactory = Callable[[], Launcher]
 
+#: what stands for "the launch failed": an agent not reached, ssh or sbatch refused
+_LAUNCH_ERRORS = (OSError, RuntimeError, SupervisionError, TimeoutError, ValueError)
+
+
+async def _bundle(wheels: Sequence[Wheel]) -> AgentBundle:
+    """The agent bundle of the environment's amesh wheel (its lock holds amesh's
+    requirements: see ``Environment.spawn_procs``), its dependencies repacked into the
+    controller's cache."""
+    (wheel,) = [w.path for w in wheels if w.filename.split("-")[0] == "amesh"]
+    out = cache_dir() / "agent-wheels"
+    return await anyio.to_thread.run_sync(agent_bundle, wheel, out)
+
+
+def _key(env: Env, key_file: str | None) -> str | None:
+    return str(env.spec.resolve(key_file)) if key_file else None
+
 
 class LocalLauncher:
     """This machine, through its local agent (the one persistent meshes use, started
@@ -92,17 +115,92 @@ class HostsLauncher:
             EnvError: an agent cannot be reached or refused us (the message names it).
         """
         assert isinstance(target, HostsTarget)
-        key = str(env.spec.resolve(target.key_file)) if target.key_file else None
         try:
-            return await attach(list(target.agents), key_file=key)
-        except (OSError, RuntimeError, SupervisionError, TimeoutError, ValueError) as exc:
+            return await attach(list(target.agents), key_file=_key(env, target.key_file))
+        except _LAUNCH_ERRORS as exc:
             raise EnvError(f"{env.spec.name}: {exc}") from exc
 
     async def close(self) -> None:
         """Nothing: the agents were there before, and stay."""
 
 
-_LAUNCHERS: dict[str, LauncherFactory] = {"local": LocalLauncher, "hosts": HostsLauncher}
+class SshLauncher:
+    """Machines reached with the user's ssh: an agent started on each over its ssh
+    session, from an agent bundle (see :class:`amesh._hosts.SshHosts`); the agents
+    end with their sessions, at :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._hosts: SshHosts | None = None
+
+    async def open(self, target: Target, env: Env, wheels: Sequence[Wheel]) -> HostMesh:
+        """Start the target's agents over ssh and attach to them.
+
+        Raises:
+            EnvError: a host could not be reached or its agent did not start.
+        """
+        assert isinstance(target, SshTarget)
+        self._hosts = SshHosts(
+            list(target.hosts),
+            await _bundle(wheels),
+            user=target.user,
+            python=target.python,
+            key_file=_key(env, target.key_file),
+        )
+        try:
+            return await self._hosts.host_mesh()
+        except _LAUNCH_ERRORS as exc:
+            raise EnvError(f"{env.spec.name}: ssh: {exc}") from exc
+
+    async def close(self) -> None:
+        """End the ssh sessions, and with them the agents and their workers."""
+        hosts, self._hosts = self._hosts, None
+        if hosts is not None:
+            await hosts.close()
+
+
+class SlurmLauncher:
+    """Nodes of a SLURM job submitted for the mesh (see :class:`amesh._hosts.SlurmJob`),
+    an agent on each from an agent bundle; the job is cancelled at :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._job: SlurmJob | None = None
+
+    async def open(self, target: Target, env: Env, wheels: Sequence[Wheel]) -> HostMesh:
+        """Submit the job, wait for its agents and attach to them.
+
+        Raises:
+            EnvError: ``sbatch`` refused the job, or its agents did not start.
+        """
+        assert isinstance(target, SlurmTarget)
+        extra = ("-A", target.account) if target.account else ()
+        self._job = SlurmJob(
+            target.nodes,
+            # (a name of its own: SlurmJob gives a running job of the same name back)
+            name=f"{env.spec.name[:48]}-{uuid.uuid4().hex[:12]}",
+            partition=target.partition,
+            time=target.time,
+            sbatch_args=extra,
+            bundle=await _bundle(wheels),
+        )
+        try:
+            return await self._job.host_mesh()
+        except _LAUNCH_ERRORS as exc:
+            await self.close()
+            raise EnvError(f"{env.spec.name}: slurm: {exc}") from exc
+
+    async def close(self) -> None:
+        """Cancel the job (``scancel``)."""
+        job, self._job = self._job, None
+        if job is not None:
+            await anyio.to_thread.run_sync(job.cancel)
+
+
+_LAUNCHERS: dict[str, LauncherFactory] = {
+    "local": LocalLauncher,
+    "hosts": HostsLauncher,
+    "ssh": SshLauncher,
+    "slurm": SlurmLauncher,
+}
 
 
 def register_launcher(name: str, factory: LauncherFactory) -> None:

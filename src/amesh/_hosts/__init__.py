@@ -4,9 +4,10 @@ process (the in-process host: runtimes on this event loop).
 This is the package's front door: other packages import only what is exported here.
 The main entry points are :func:`this_host` (this machine, through the zygote),
 :class:`HostMesh` and :func:`attach` / :func:`attach_mesh` (host agents and the
-persistent meshes they hold), :class:`SlurmJob`, :class:`InProcessHost`, and the
-command line's: :func:`agent_main` (``amesh agent``), :func:`admin_main` (``amesh
-list``, ``stop``, ``stacks``, ``logs``) and :func:`state_dir`.
+persistent meshes they hold), :class:`SlurmJob` and :class:`SshHosts` (given an
+:class:`AgentBundle`, see :func:`agent_bundle`, on hosts that have nothing but Python),
+:class:`InProcessHost`, and the command line's: :func:`agent_main` (``amesh agent``),
+:func:`admin_main` (``amesh list``, ``stop``, ``stacks``, ``logs``) and :func:`state_dir`.
 
 The layers below (ProcMesh, the debugger) cannot import this one: :func:`plug_in`
 tells them this machine's host, where persistent meshes live, and where paused ranks
@@ -22,6 +23,7 @@ from .._debug import set_remote_debuggers
 from .._mesh import set_default_host, set_persistent_host
 from ._agent import DEFAULT_GRACE, parse_listen
 from ._agent import main as agent_main
+from ._bundle import AgentBundle, agent_bundle
 from ._deliver import Delivered, EnvPackages, ProvisionError
 from ._home import state_dir
 from ._inprocess import InProcessHost
@@ -35,12 +37,14 @@ from ._remote import (
     remote_debuggers,
 )
 from ._slurm import SlurmJob
+from ._ssh import SshHosts
 
 if TYPE_CHECKING:
     from ._admin import main as admin_main
 
 __all__ = [
     "DEFAULT_GRACE",
+    "AgentBundle",
     "Delivered",
     "EnvPackages",
     "HostMesh",
@@ -48,7 +52,9 @@ __all__ = [
     "LocalHost",
     "ProvisionError",
     "SlurmJob",
+    "SshHosts",
     "admin_main",
+    "agent_bundle",
     "agent_main",
     "attach",
     "attach_mesh",

@@ -15,6 +15,16 @@ ends it; it is also cancelled when the controller exits (``atexit``) unless it w
 with ``persistent=True``. Agents listen on their node's address towards the controller,
 which must itself listen on tcp where the nodes reach it (``AMESH_TRANSPORT=tcp``, TLS
 between hosts, or ``stream+tcp``; ``AMESH_HOST``), and speak as it does.
+
+Without a shared filesystem (``bundle=``, see :class:`~._bundle.AgentBundle`), nothing
+of the controller's files is used on the nodes: the job script carries a small
+bootstrap (:mod:`._bootstrap_host`, stdlib only) and the job key (in its environment,
+as SLURM keeps a job's script: readable by its owner and the cluster's administrators
+only); each node's bootstrap fetches the wheels it lacks from a server the controller
+runs while the job starts (:class:`~._bundle.LaunchServer`, each request signed with
+the key), builds the agent's venv once per bundle, starts the agent in it and posts its
+address back. Why not ``sbcast``: it copies a file from the batch host, which sees the
+controller's files only on a shared filesystem.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -34,6 +46,9 @@ import anyio
 from .._config import settings
 from .._identity import job_key, read_key_file
 from .._runtime import bridged, current_runtime
+from ._agent import announce
+from ._bootstrap_host import KEY_VARIABLE, source
+from ._bundle import AgentBundle, LaunchServer
 from ._remote import HostMesh, attach
 
 __all__ = ["SlurmJob", "jobs_dir"]
@@ -66,9 +81,13 @@ class SlurmJob:
         key_file: the key the agents admit; None: this controller's own job key.
         persistent: keep the job when the controller exits.
         python: the interpreter on the nodes (default: this one, which suits a shared
-            filesystem).
+            filesystem; with ``bundle``, ``python3``).
         sbatch_args: more arguments for ``sbatch``.
         timeout: seconds to wait for every agent to start once the job runs.
+        bundle: the agent's wheels, for nodes that have nothing of amesh (no shared
+            filesystem; see the module doc).
+        wrap: a command each node's agent runs under (``("apptainer", "exec",
+            "img.sif")``, ``("unshare", ...)``), before the interpreter.
     """
 
     def __init__(
@@ -83,6 +102,8 @@ class SlurmJob:
         python: str | None = None,
         sbatch_args: tuple[str, ...] = (),
         timeout: float = 120.0,
+        bundle: AgentBundle | None = None,
+        wrap: tuple[str, ...] = (),
     ) -> None:
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"a SlurmJob needs at least one node, not {nodes!r}")
@@ -94,7 +115,9 @@ class SlurmJob:
         self.time = time
         self.key_file = key_file
         self.persistent = persistent
-        self.python = python or sys.executable
+        self.python = python or ("python3" if bundle else sys.executable)
+        self.bundle = bundle
+        self.wrap = tuple(wrap)
         self.sbatch_args = tuple(sbatch_args)
         self.timeout = timeout
         self.dir = jobs_dir() / name
@@ -149,15 +172,37 @@ class SlurmJob:
             if self.state() not in _LIVE:
                 self.job_id = None
         if self.job_id is None:
-            await anyio.to_thread.run_sync(self._submit, controller, scheme)
-        elif not self.persistent:
-            atexit.register(self._cancel_quietly)
-        addrs = await self._agents()
-        record = self._record()
-        assert record is not None
-        return await attach(addrs, key_file=record["key_file"])
+            key = await anyio.to_thread.run_sync(self._prepare)
+        else:
+            assert record is not None
+            key = record["key_file"]
+        with self._serving(controller, key) as url:
+            if self.job_id is None:
+                await anyio.to_thread.run_sync(self._submit, key, controller, scheme, url)
+            elif not self.persistent:
+                atexit.register(self._cancel_quietly)
+            addrs = await self._agents()
+        return await attach(addrs, key_file=key)
 
-    def _submit(self, controller: str, listen: str) -> None:
+    @contextmanager
+    def _serving(self, controller: str, key: str) -> Iterator[str]:
+        """With a bundle, serve it (and hear the agents' addresses) while the block
+        runs; the server's URL ("" without a bundle: the agents announce themselves
+        in the job's directory, on the filesystem the nodes share)."""
+        if self.bundle is None:
+            yield ""
+            return
+
+        def on_agent(node: str, addr: str) -> None:
+            if _NAME.fullmatch(node):
+                announce(str(self.dir / f"{node}.addr"), addr)
+
+        server = LaunchServer(controller, read_key_file(key), self.bundle, on_agent)
+        with server.serving():
+            yield server.url
+
+    def _prepare(self) -> str:
+        """The job's directory, made afresh but for its key; the key file's path."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
         for old in self.dir.glob("*.addr"):
@@ -168,16 +213,39 @@ class SlurmJob:
             with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 f.write(job_key().hex() + "\n")
         read_key_file(key)  # fail here, not on every node
-        agent = [self.python, "-m", "amesh", "agent", "--listen", f"{listen}://0.0.0.0:0"]
-        agent += ["--route-to", controller, "--key-file", key]
-        announce = f"{self.dir}/$SLURMD_NODENAME.addr"
-        script = self.dir / "job.sh"
-        script.write_text(
-            "#!/bin/bash\n"
-            "# written by amesh.SlurmJob: one amesh agent per node\n"
-            f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c "
-            f"{shlex.quote('exec ' + shlex.join(agent) + ' --announce ' + announce)}\n"
+        return key
+
+    def _script(self, key: str, controller: str, listen: str, url: str) -> str:
+        """The job script: one agent per node, the nodes' files shared or not."""
+        head = "#!/bin/bash\n# written by amesh.SlurmJob: one amesh agent per node\n"
+        srun = "exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 "
+        if self.bundle is None:
+            agent = [self.python, "-m", "amesh", "agent", "--listen", f"{listen}://0.0.0.0:0"]
+            agent += ["--route-to", controller, "--key-file", key]
+            announce_to = f"{self.dir}/$SLURMD_NODENAME.addr"
+            line = "exec " + shlex.join(agent) + " --announce " + announce_to
+            return head + srun + f"bash -c {shlex.quote(line)}\n"
+        manifest = json.dumps(self.bundle.manifest, separators=(",", ":"))
+        boot = [*self.wrap, self.python, "-c", '"$AMESH_BOOT"', "--manifest", manifest]
+        boot += ["--listen", f"{listen}://0.0.0.0:0", "--route-to", controller, "--fetch", url]
+        # (the key is in the job's environment only: never on a command line, which
+        # every user of a node may read)
+        return (
+            head
+            + f"export {KEY_VARIABLE}={read_key_file(key).hex()}\n"
+            + "IFS= read -r -d '' AMESH_BOOT <<'AMESH_BOOT_END' || true\n"
+            + source()
+            + "AMESH_BOOT_END\n"
+            + srun
+            + " ".join(a if a == '"$AMESH_BOOT"' else shlex.quote(a) for a in boot)
+            + "\n"
         )
+
+    def _submit(self, key: str, controller: str, listen: str, url: str) -> None:
+        script = self.dir / "job.sh"
+        text = self._script(key, controller, listen, url)
+        with open(os.open(script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
         cmd = ["sbatch", "--parsable", "-N", str(self.nodes), "-J", self.name]
         cmd += ["-o", str(self.dir / "slurm-%j.out")]
         if self.partition:

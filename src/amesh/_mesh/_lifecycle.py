@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -15,10 +16,13 @@ from .. import _limits, _wire
 from .._bootstrap import WorkerSpec
 from .._config import default_transport, for_workers
 from .._errors import ActorError, Failure, SupervisionError
-from .._model import AGENT_KEY, ActorMesh, ProcAgent, RestartPolicy, RestartWindow
-from .._runtime import OutputPrinter, Runtime
+from .._model import AGENT_KEY, ActorMesh, ProcAgent, RestartPolicy, RestartWindow, ValueMesh
+from .._runtime import LOOP_TIMEOUT, OutputPrinter, Runtime
 from .._shape import Shape
 from ._host import Host, ProcHandle
+
+if TYPE_CHECKING:
+    from ._supervisor import MeshSupervisor
 
 __all__ = [
     "EXIT_GRACE",
@@ -28,10 +32,13 @@ __all__ = [
     "Lifecycle",
     "MeshState",
     "Spawned",
+    "checked_env",
     "failure_of",
 ]
 
 log = logging.getLogger("amesh.mesh")
+#: what ``putenv`` takes as a name
+_ENV_NAME = re.compile(r"[^=\0]+")
 
 #: Bounded waits of a polite shutdown, in seconds.
 STOP_ACTORS_TIMEOUT = 5.0
@@ -270,6 +277,25 @@ class Lifecycle:
                 await close_host()
         st.closed.set()
 
+    async def move_to_workspace(
+        self, agents: ActorMesh[ProcAgent], slots: list[int]
+    ) -> ValueMesh[list[str]]:
+        """Have the host send the workspace as it is now (``sync_workspace``, see
+        :class:`~._host.Host`) and ``agents`` (the processes of ``slots``) move to its
+        new tree; the modules each reloaded (see :meth:`ProcMesh.sync`).
+
+        Raises:
+            RuntimeError: the host has no workspace to sync.
+        """
+        move = getattr(self.host, "sync_workspace", None)
+        if move is None:
+            raise RuntimeError(
+                f"{self.label} has no workspace to sync: spawn it from an "
+                "amesh.Environment (or push edited modules with sync_code())"
+            )
+        trees: list[tuple[str, str]] = await move(slots)
+        return await agents.move_code.call(ValueMesh.of(agents, [list(t) for t in trees]))
+
     def agents_of(self, procs: list[ProcHandle]) -> ActorMesh[ProcAgent]:
         shape = Shape(["procs"], [len(procs)])
         # the control plane stays direct: no relay may be mid-exit while relaying
@@ -317,3 +343,110 @@ class Lifecycle:
             # chained to the remote traceback (what ``from None`` would drop), not to
             # the agents' view of the same error
             raise err from err.__cause__
+
+    async def abandon_spawn(
+        self, st: MeshState, sup: MeshSupervisor, sp: Spawned, answered: set[int], why: str
+    ) -> list[int]:
+        """Undo a spawn that did not finish: kill the processes where ``__init__`` still
+        runs (it cannot be interrupted), each a failure for supervision (``sup``) whose
+        cause says ``why``, and stop the actor where it was constructed. The ranks
+        killed."""
+        mesh = sp.mesh
+        st.spawned.pop(mesh.key, None)
+        st.runtime.handle_failures(mesh.key, None)
+        stuck = [r for r in range(len(mesh.shape.slots)) if r not in answered]
+        for rank in stuck:
+            slot = mesh.shape.slots[rank]
+            handle = st.procs[slot]
+            if handle.failed or handle.expected_exit or handle.returncode is not None:
+                continue
+            handle.failed = True
+            handle.process.kill()
+            failure = failure_of(sup.label, slot, handle, f"{why}; the process was killed")
+            sup.proc_failed(st, slot, handle, failure)
+        built = [st.procs[mesh.shape.slots[r]] for r in sorted(answered)]
+        if built:
+            with anyio.move_on_after(STOP_ACTORS_TIMEOUT):
+                try:
+                    await self.agents_of(built).stop_actor.call(mesh.key)
+                except (ActorError, SupervisionError):
+                    pass
+        if st.publish is not None:
+            await st.publish()
+        return stuck
+
+    async def stop_spawned(
+        self,
+        st: MeshState,
+        mesh: ActorMesh[Any],
+        replaced: bool = False,
+        hand_over: set[int] | None = None,
+    ) -> None:
+        """Stop actor mesh ``mesh`` on the live processes (its ``__cleanup__`` runs).
+
+        Args:
+            replaced: it is being replaced (what calls through its handles are told).
+            hand_over: the slots whose processes keep the stopped actor for the
+                ``__reload__`` of its replacement.
+        """
+        del st.spawned[mesh.key]
+        alive = [
+            (slot, p) for slot, p in enumerate(st.procs) if p.addr not in st.runtime.peers.dead
+        ]
+        agents = self.agents_of([p for _, p in alive])
+        keep: bool | ValueMesh[bool] = False
+        if hand_over:
+            keep = ValueMesh.of(agents, [slot in hand_over for slot, _ in alive])
+        await agents.stop_actor.call(mesh.key, replaced, keep)
+        st.runtime.handle_failures(mesh.key, None)
+
+    def detach(self, st: MeshState, scoped: bool) -> None:
+        """Let go of a persistent mesh's processes without stopping them (its owner is
+        leaving): no more watching them, their actors' failures, their output;
+        ``scoped``: the mesh's task group is its own, and is cancelled."""
+        st.closing = True
+        rt = st.runtime
+        for p in st.procs:
+            p.expected_exit = True
+            rt.peers.unwatch(p.addr)
+        for key in st.spawned:
+            rt.handle_failures(key, None)
+        self.close_output()
+        if scoped:
+            st.tg.cancel_scope.cancel()  # the watches of the processes
+        st.closed.set()
+
+    async def stacks(self, st: MeshState, slots: Sequence[int], full: bool) -> list[str]:
+        """The stacks of the processes of ``slots`` (see :meth:`ProcMesh.stacks`), each
+        taken by a signal when its event loop does not answer within
+        :data:`~amesh._runtime.LOOP_TIMEOUT`."""
+        texts = [""] * len(slots)
+
+        async def one(i: int, slot: int) -> None:
+            agent = ActorMesh(
+                AGENT_KEY, AGENT_KEY, ProcAgent, Shape(["procs"], [1], [slot]), st.addrs
+            )
+            try:
+                texts[i] = await agent.stacks.options(timeout=LOOP_TIMEOUT).call_one(full)
+            except TimeoutError:
+                texts[i] = await st.procs[slot].stacks_by_signal(full)
+
+        async with anyio.create_task_group() as tg:
+            for i, slot in enumerate(slots):
+                tg.start_soon(one, i, slot)
+        return texts
+
+
+def checked_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A mesh's ``env=``, as ``putenv`` takes it.
+
+    Raises:
+        ValueError: a name with ``=`` or NUL, or a value that is not a str without NUL.
+    """
+    out = dict(env)
+    for key, value in out.items():
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
+            raise ValueError(f"env: {key!r:.60} is not a name (a str without '=' or NUL)")
+        if not isinstance(value, str) or "\0" in value:
+            raise ValueError(f"env: {key}'s value is not a str without NUL: {value!r:.60}")
+    return out

@@ -38,7 +38,7 @@ import sniffio
 from anyio.abc import TaskGroup
 
 from .. import _reload, _wire
-from .._config import ConfigError, default_transport, for_mesh, heartbeats, warn_unknown
+from .._config import default_transport, for_mesh, heartbeats, warn_unknown
 from .._config import settings as process_settings
 from .._errors import ActorError, Failure, SupervisionError
 from .._model import (
@@ -56,7 +56,6 @@ from .._model import (
     unpicklable,
 )
 from .._runtime import (
-    LOOP_TIMEOUT,
     ActorInstance,
     Op,
     Runtime,
@@ -74,18 +73,17 @@ from .._shape import Shape
 from .._tracebacks import hide_amesh_frames
 from .._transport import open_transport
 from ._host import Holder, Host, ProcHandle, default_host, persistent_host
-from ._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned, failure_of
+from ._lifecycle import STOP_ACTORS_TIMEOUT, Lifecycle, MeshState, Spawned, checked_env
+from ._persistent import Detacher, listing_of, named_actor_mesh, record_of, spawned_from
 from ._registry import forget as registry_forget
 from ._registry import update as registry_update
-from ._supervisor import MeshSupervisor
+from ._supervisor import MeshSupervisor, unhandled_error
 
 __all__ = ["ProcMesh", "default_transport"]
 
 A = TypeVar("A", bound=Actor)
 log = logging.getLogger("amesh.mesh")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
-#: what ``putenv`` takes as a name
-_ENV_NAME = re.compile(r"[^=\0]+")
 
 
 class ProcMesh(MeshView):
@@ -182,14 +180,14 @@ class ProcMesh(MeshView):
             )
         self.name = name
         self._persistent = persistent
-        self._detacher: _Detacher | None = None
-        own = _own_settings(
-            settings or {},
-            fanout=fanout,
-            heartbeat_period=heartbeat_period,
-            heartbeat_timeout=heartbeat_timeout,
-            output=output,
-        )
+        self._detacher: Detacher | None = None
+        given = {
+            "fanout": fanout,
+            "heartbeat_period": heartbeat_period,
+            "heartbeat_timeout": heartbeat_timeout,
+            "output": output,
+        }
+        own = for_mesh(settings or {}, given)
         fanout = own.get("fanout", fanout)
         self._fanout = process_settings().fanout if fanout is None else fanout
         if self._fanout < 0 or self._fanout == 1:
@@ -198,12 +196,7 @@ class ProcMesh(MeshView):
         self._host: Host = host or default_host()
         #: processes per host, when the host places them on several machines
         self._group: int = getattr(self._host, "per_host", 0)
-        self._env = dict(env or {})
-        for key, value in self._env.items():
-            if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
-                raise ValueError(f"env: {key!r:.60} is not a name (a str without '=' or NUL)")
-            if not isinstance(value, str) or "\0" in value:
-                raise ValueError(f"env: {key}'s value is not a str without NUL: {value!r:.60}")
+        self._env = checked_env(env or {})
         self._supervise = supervise
         self._hb_period, self._hb_timeout = heartbeats(
             len(self._shape),
@@ -310,20 +303,7 @@ class ProcMesh(MeshView):
         if rank is not None and not 0 <= rank < len(self._shape):
             raise IndexError(f"rank {rank} is not in {self!r}")
         slots = self._shape.slots if rank is None else [self._shape.slots[rank]]
-        texts = [""] * len(slots)
-
-        async def one(i: int, slot: int) -> None:
-            agent = ActorMesh(
-                AGENT_KEY, AGENT_KEY, ProcAgent, Shape(["procs"], [1], [slot]), st.addrs
-            )
-            try:
-                texts[i] = await agent.stacks.options(timeout=LOOP_TIMEOUT).call_one(full)
-            except TimeoutError:
-                texts[i] = await st.procs[slot].stacks_by_signal(full)
-
-        async with anyio.create_task_group() as tg:
-            for i, slot in enumerate(slots):
-                tg.start_soon(one, i, slot)
+        texts = await self._life.stacks(st, slots, full)
         return texts[0] if rank is not None else ValueMesh.of(self._shape, texts)
 
     async def _stacks_by_signal(self, slot: int, full: bool = False) -> str:
@@ -435,33 +415,6 @@ class ProcMesh(MeshView):
 
     # -- persistent meshes ----------------------------------------------------------
 
-    def _record(self, st: MeshState) -> dict[str, Any]:
-        """What another controller needs to take this mesh over."""
-        actors = []
-        for key, sp in st.spawned.items():
-            cls = _wire.dumps(sp.mesh.actor_class)
-            actors.append(
-                {
-                    "name": sp.mesh.name,
-                    "key": key,
-                    "cls": bytes(cls.data) if not cls.buffers else b"",
-                    "class": sp.mesh.actor_class.__qualname__,
-                }
-            )
-        return {
-            "name": self.name,
-            "labels": list(self._shape.labels),
-            "sizes": list(self._shape.sizes),
-            "fanout": self._fanout,
-            "heartbeat": [self._hb_period, self._hb_timeout],
-            # (its restarted workers get them under the controller that took it over)
-            "settings": self._life.settings,
-            "procs": [[p.addr, p.pid] for p in st.procs],
-            "actors": actors,
-            "controller": st.runtime.address,
-            "controller_pid": st.runtime.pid,
-        }
-
     async def _publish(self) -> None:
         """Record the processes and actor meshes: in this machine's registry of live
         meshes (``amesh list``), and a persistent mesh's with its host agents."""
@@ -470,7 +423,10 @@ class ProcMesh(MeshView):
             return
         if self._persistent:
             holder: Holder = self._host  # type: ignore[assignment]
-            await holder.hold(self._record(st))
+            hb = (self._hb_period, self._hb_timeout)
+            await holder.hold(
+                record_of(self.name, self._shape, self._fanout, hb, self._life.settings, st)
+            )
         serve_controller(st.runtime, self)  # for `amesh logs` and `amesh stacks`
         registry_update(self)
 
@@ -479,17 +435,7 @@ class ProcMesh(MeshView):
         st = self._state
         if st is None or st.closing:
             return None
-        return {
-            "name": self._life.name,
-            "labels": list(self._shape.labels),
-            "sizes": list(self._shape.sizes),
-            "addrs": list(st.addrs),
-            "pids": [p.pid for p in st.procs],
-            "actors": [sp.mesh.name for sp in st.spawned.values()],
-            "controller": st.runtime.address,
-            "persistent": self._persistent,
-            "output": self._life.output,
-        }
+        return listing_of(self._life.name, self._shape, st, self._persistent, self._life.output)
 
     async def _adopt(self, handles: list[ProcHandle], actors: list[dict[str, Any]]) -> None:
         """Own ``handles`` (the running processes of this persistent mesh, which
@@ -503,18 +449,9 @@ class ProcMesh(MeshView):
             self._owner, tg = owner, owner.tg
         st = self._state = MeshState(rt, tg, handles)
         self._taken_over = None
-        for a in actors:
-            cls: type[Actor] = _Unknown
-            try:
-                if a["cls"]:
-                    cls = _wire.loads(a["cls"])
-            except Exception as exc:  # a module this process cannot import
-                log.info("cannot load the class of actor mesh %r: %s", a["name"], exc)
-            mesh = ActorMesh(
-                a["name"], a["key"], cls, self._shape, st.addrs, self._fanout, self._group
-            )
-            mesh._owner = self
-            st.spawned[a["key"]] = Spawned(mesh, _wire.dumps((cls, (), {})), None)
+        st.spawned.update(
+            spawned_from(actors, self._shape, st.addrs, self._fanout, self._group, self)
+        )
         self._supervise_state(st)
         assert self._sup is not None
         for key in st.spawned:
@@ -532,7 +469,7 @@ class ProcMesh(MeshView):
         """Be stopped (a persistent mesh: let go of) with the owner."""
         owned: Any = self
         if self._persistent:
-            owned = self._detacher = _Detacher(self)
+            owned = self._detacher = Detacher(self._detach)
         if self._owner is not None:
             self._owner.owned.append(owned)
         else:
@@ -541,20 +478,9 @@ class ProcMesh(MeshView):
     def _detach(self) -> None:
         """Let go of a persistent mesh without stopping it (its owner is leaving)."""
         st = self._state
-        if st is None or st.closing:
-            return
-        st.closing = True
-        rt = st.runtime
-        for p in st.procs:
-            p.expected_exit = True
-            rt.peers.unwatch(p.addr)
-        for key in st.spawned:
-            rt.handle_failures(key, None)
-        self._life.close_output()
-        if self._scoped:
-            st.tg.cancel_scope.cancel()  # the watches of the processes
-        st.closed.set()
-        registry_forget(self)
+        if st is not None and not st.closing:
+            self._life.detach(st, self._scoped)
+            registry_forget(self)
 
     def _let_go(self, by: str) -> bool:
         """Another controller (``by``: its pid and host) takes this persistent mesh
@@ -585,22 +511,10 @@ class ProcMesh(MeshView):
             LookupError: there is none.
         """
         st = self._live()
-        for sp in st.spawned.values():
-            mesh = sp.mesh
-            if mesh.name == name:
-                cls = actor_class or mesh.actor_class
-                if cls is _Unknown:
-                    raise LookupError(
-                        f"the class of actor mesh {name!r} cannot be loaded here: pass it "
-                        "as actor_mesh(name, actor_class=...)"
-                    )
-                found = ActorMesh(
-                    mesh.name, mesh.key, cls, mesh.shape, st.addrs, self._fanout, self._group
-                )
-                found._owner = self
-                return found
-        known = ", ".join(sorted(sp.mesh.name for sp in st.spawned.values())) or "none"
-        raise LookupError(f"{self!r} has no actor mesh named {name!r} (there are: {known})")
+        found: ActorMesh[A] = named_actor_mesh(
+            st, name, actor_class, self._fanout, self._group, self, repr(self)
+        )
+        return found
 
     # -- stopping -------------------------------------------------------------------------
 
@@ -628,12 +542,7 @@ class ProcMesh(MeshView):
             # An endpoint's error that escapes while a process of the mesh is dead is
             # most often its consequence (a collective whose peer died): the failure
             # is what the owner must see, with the error as its cause.
-            failures = list(st.unhandled)
-            error = SupervisionError(
-                f"{len(failures)} supervision failure(s) in ProcMesh {self.sizes}: "
-                + "; ".join(str(f).splitlines()[0] for f in failures),
-                failures,
-            )
+            error = unhandled_error(st.unhandled, f"ProcMesh {self.sizes}")
             # Not the body's cancellation as context: that is how the failure stopped
             # the body, amesh's business, not the user's.
             raise error from (exc if remote else None)
@@ -771,7 +680,7 @@ class ProcMesh(MeshView):
             raise unpicklable(args, kwargs, f"{actor_class.__qualname__}()", exc) from None
         if old is not None:
             hand_over = set(self._shape.slots) if hasattr(actor_class, "__reload__") else set()
-            await self._stop_spawned(st, old, replaced=True, hand_over=hand_over)
+            await self._life.stop_spawned(st, old, replaced=True, hand_over=hand_over)
         key = f"{name}-{uuid.uuid4().hex[:12]}"
         init = f"{actor_class.__qualname__}.__init__"
         mesh = ActorMesh(name, key, actor_class, self._shape, st.addrs, self._fanout, self._group)
@@ -787,8 +696,8 @@ class ProcMesh(MeshView):
                 await self._life.spawn_ranks(st, spawned, None, answered=answered)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
-                await self._abandon_spawn(
-                    st, spawned, answered, f"its spawn was cancelled while {init} ran"
+                await self._life.abandon_spawn(
+                    st, self._sup, spawned, answered, f"its spawn was cancelled while {init} ran"
                 )
             raise
         except ActorError as exc:
@@ -806,8 +715,12 @@ class ProcMesh(MeshView):
                 [Failure(f"actor {name!r}", int(exc.point.get("rank", 0)), None, str(exc))],
             ) from exc
         if deadline.cancelled_caught:
-            stuck = await self._abandon_spawn(
-                st, spawned, answered, f"{init} did not return within {timeout:g} s (spawn timeout)"
+            stuck = await self._life.abandon_spawn(
+                st,
+                self._sup,
+                spawned,
+                answered,
+                f"{init} did not return within {timeout:g} s (spawn timeout)",
             )
             whose = "whose process was" if len(stuck) == 1 else "whose processes were"
             raise TimeoutError(
@@ -819,69 +732,13 @@ class ProcMesh(MeshView):
             await st.publish()
         return mesh
 
-    async def _abandon_spawn(
-        self, st: MeshState, sp: Spawned, answered: set[int], why: str
-    ) -> list[int]:
-        """Undo a spawn that did not finish: kill the processes where ``__init__`` still
-        runs (it cannot be interrupted), each a failure for supervision whose cause
-        says ``why``, and stop the actor where it was constructed. The ranks killed."""
-        mesh = sp.mesh
-        st.spawned.pop(mesh.key, None)
-        st.runtime.handle_failures(mesh.key, None)
-        assert self._sup is not None
-        stuck = [r for r in range(len(mesh.shape.slots)) if r not in answered]
-        for rank in stuck:
-            slot = mesh.shape.slots[rank]
-            handle = st.procs[slot]
-            if handle.failed or handle.expected_exit or handle.returncode is not None:
-                continue
-            handle.failed = True
-            handle.process.kill()
-            failure = failure_of(self._sup.label, slot, handle, f"{why}; the process was killed")
-            self._sup.proc_failed(st, slot, handle, failure)
-        built = [st.procs[mesh.shape.slots[r]] for r in sorted(answered)]
-        if built:
-            with anyio.move_on_after(STOP_ACTORS_TIMEOUT):
-                try:
-                    await self._life.agents_of(built).stop_actor.call(mesh.key)
-                except (ActorError, SupervisionError):
-                    pass
-        if st.publish is not None:
-            await st.publish()
-        return stuck
-
     async def _stop_actor_mesh(self, mesh: ActorMesh[Any]) -> None:
         st = self._live()
         if mesh.key not in st.spawned:
             raise ValueError(f"{mesh!r} is not owned by this ProcMesh (or already stopped)")
-        await self._stop_spawned(st, mesh)
+        await self._life.stop_spawned(st, mesh)
         if st.publish is not None:
             await st.publish()
-
-    async def _stop_spawned(
-        self,
-        st: MeshState,
-        mesh: ActorMesh[Any],
-        replaced: bool = False,
-        hand_over: set[int] | None = None,
-    ) -> None:
-        """Stop actor mesh ``mesh`` on the live processes (its ``__cleanup__`` runs).
-
-        Args:
-            replaced: it is being replaced (what calls through its handles are told).
-            hand_over: the slots whose processes keep the stopped actor for the
-                ``__reload__`` of its replacement.
-        """
-        del st.spawned[mesh.key]
-        alive = [
-            (slot, p) for slot, p in enumerate(st.procs) if p.addr not in st.runtime.peers.dead
-        ]
-        agents = self._life.agents_of([p for _, p in alive])
-        keep: bool | ValueMesh[bool] = False
-        if hand_over:
-            keep = ValueMesh.of(agents, [slot in hand_over for slot, _ in alive])
-        await agents.stop_actor.call(mesh.key, replaced, keep)
-        st.runtime.handle_failures(mesh.key, None)
 
     @bridged
     async def sync_code(
@@ -928,58 +785,11 @@ class ProcMesh(MeshView):
 
     @bridged
     async def sync(self) -> ValueMesh[list[str]]:
-        """Bring the workspace as it is now to the processes, running: the host sends
-        each machine the files that changed (a new tree there), then each process
-        moves its import path and working directory to the new tree and reloads the
-        modules it imported whose source changed, as :meth:`sync_code` does (respawn
-        actors with ``replace=True`` for their new classes). A mesh spawned from an
-        :class:`amesh.Environment` has a workspace; processes that start later (a
-        restart) start in the new tree.
-
-        Returns:
-            The names of the modules each process reloaded.
-
-        Raises:
-            RuntimeError: this mesh's host has no workspace (it was not spawned from
-                an environment).
-            ActorError: a module failed to reload (an ``ImportError`` naming it).
+        """Bring the workspace as it is now to the running processes of a mesh of an
+        :class:`amesh.Environment`: each host gets the files that changed, and each
+        process moves to the new tree and reloads the modules that changed, as
+        :meth:`sync_code` does; returns their names. Processes started later start
+        there. RuntimeError: no environment's mesh; ActorError: a reload failed.
         """
         st = self._live()
-        move = getattr(self._host, "sync_workspace", None)
-        if move is None:
-            raise RuntimeError(
-                f"{self!r} has no workspace to sync: spawn it from an amesh.Environment "
-                "(or push edited modules with sync_code())"
-            )
-        slots = list(self._shape.slots)
-        trees: list[tuple[str, str]] = await move(slots)
-        agents = self._agents(st)
-        return await agents.move_code.call(ValueMesh.of(agents, [list(t) for t in trees]))
-
-
-def _own_settings(values: Mapping[str, Any], **arguments: Any) -> dict[str, Any]:
-    """A ProcMesh's ``settings=``, checked (:func:`amesh._config.for_mesh`).
-
-    Raises:
-        ConfigError: as ``for_mesh``; or one of them is also one of the ProcMesh's
-            ``arguments`` given (not None).
-    """
-    own = for_mesh(values)
-    for name, value in arguments.items():
-        if value is not None and name in own:
-            raise ConfigError(f"{name} is given twice: as an argument and in settings=")
-    return own
-
-
-class _Unknown(Actor):
-    """Stands for an actor class that could not be loaded (see ``actor_mesh``)."""
-
-
-class _Detacher:
-    """Stands for a persistent mesh among what its owner stops: lets go of it."""
-
-    def __init__(self, mesh: ProcMesh) -> None:
-        self._mesh = mesh
-
-    async def stop(self) -> None:
-        self._mesh._detach()
+        return await self._life.move_to_workspace(self._agents(st), list(self._shape.slots))

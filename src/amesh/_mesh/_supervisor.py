@@ -11,18 +11,19 @@ owning actor's ``__supervise__``, or up the tree (cancelling the owner's scope).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import anyio
 
 from .. import _wire
-from .._errors import Failure
+from .._errors import Failure, SupervisionError
 from .._model import Supervisor, call_hook, call_supervisor
 from .._runtime import ActorInstance
 from .._wire import FailureReport
 from ._host import ProcHandle
 from ._lifecycle import FAILED_STOP_TIMEOUT, Lifecycle, MeshState, failure_of
 
-__all__ = ["LINK_LOSS_GRACE", "STALL_SLACK", "MeshSupervisor", "pid_alive"]
+__all__ = ["LINK_LOSS_GRACE", "STALL_SLACK", "MeshSupervisor", "pid_alive", "unhandled_error"]
 
 log = logging.getLogger("amesh.mesh")
 
@@ -344,3 +345,13 @@ class MeshSupervisor:
             while any(p.pid not in st.escalated for p in gone):
                 st.escalation = anyio.Event()
                 await st.escalation.wait()
+
+
+def unhandled_error(failures: Sequence[Failure], where: str) -> SupervisionError:
+    """What the owner of mesh ``where`` sees of the failures nobody handled: one
+    error that names them all."""
+    return SupervisionError(
+        f"{len(failures)} supervision failure(s) in {where}: "
+        + "; ".join(str(f).splitlines()[0] for f in failures),
+        failures,
+    )

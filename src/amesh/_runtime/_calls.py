@@ -11,7 +11,7 @@ from typing import Any
 from .. import _wire
 from .._errors import Failure, SupervisionError
 from .._ratelog import RateLimitedLog
-from ._context import native_wakeup_class
+from ._context import native_waiter
 
 __all__ = ["Calls", "Pending", "rank_label"]
 
@@ -51,7 +51,7 @@ class Pending:
         self.size = len(targets)
         self.items: deque[tuple[int, bool, Any]] = deque()
         self._event: Any = None
-        self._new_event = new_event or native_wakeup_class()
+        self._new_event = new_event or native_waiter()
         #: the relays the call went through, and the relays on each rank's path
         self.relays: set[str] = set()
         self.via: dict[int, tuple[str, ...]] = {}
@@ -68,7 +68,8 @@ class Pending:
         event = self._event
         if event is not None:
             self._event = None
-            event.set()
+            if not event.done():  # (its waiter was cancelled)
+                event.set_result(None)
 
     def request_id(self, rank: int) -> int:
         """The id of the request that ``rank`` got (which a cancel names)."""
@@ -97,8 +98,8 @@ class Pending:
     def arrival(self) -> Awaitable[Any]:
         """What to await (once, with no reply in :attr:`items`) until one arrives
         (no coroutine of its own)."""
-        event = self._event = self._new_event()
-        waiting: Awaitable[Any] = event.wait()
+        waiting: Awaitable[Any] = self._new_event()
+        self._event = waiting
         return waiting
 
 
@@ -115,7 +116,8 @@ def mesh_name(actor_key: str) -> str:
 
 
 class Calls:
-    """Every call this runtime has in flight, by id."""
+    """Every call this runtime has in flight, by id; ``new_event`` makes the waiter
+    of a call that waits for a reply (see :func:`~amesh._runtime._context.native_waiter`)."""
 
     def __init__(self, new_event: Any) -> None:
         self._ids = itertools.count(1)

@@ -172,6 +172,36 @@ class _Wakeup:
         return self._fut
 
 
+class _TrioWaiter:
+    """:func:`native_waiter`'s on trio: a ``trio.Event`` with a future's methods."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        import trio
+
+        self._event = trio.Event()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def set_result(self, result: None) -> None:
+        self._event.set()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._event.wait().__await__()
+
+
+def native_waiter() -> Callable[[], Any]:
+    """What makes a one-shot waiter of the running loop with a future's protocol
+    (await it; ``done()``; ``set_result(None)``): a bare future of this asyncio loop,
+    made, awaited and set without a Python call (a reply's waiter, one per call that
+    waits), or a :class:`_TrioWaiter` on trio."""
+    if sniffio.current_async_library() == "trio":
+        return _TrioWaiter
+    return asyncio.get_running_loop().create_future
+
+
 def native_wakeup_class() -> Callable[[], Any]:
     """What makes the cheapest one-shot, one-waiter event of the running loop: a
     :class:`_Wakeup` on this asyncio loop, a ``trio.Event`` on trio. Make a new one

@@ -49,7 +49,7 @@ from ._context import (
     call_soon_threadsafe,
     is_local,
     native_event_class,
-    native_wakeup_class,
+    native_waiter,
     runtime_var,
 )
 from ._dispatch import Dispatch
@@ -135,7 +135,7 @@ class Runtime:
         self.body: anyio.CancelScope | None = None
         #: the event loop's own Event class (cheaper than anyio's on the hot path)
         self.new_event = native_event_class()
-        self.calls = Calls(native_wakeup_class())  # one waiter per pending call
+        self.calls = Calls(native_waiter())  # one waiter per pending call that waits
         self.peers = Peers(self.calls)  # the only writer of who is dead
         self.links = Links(
             transport, self._route_own, self.start_soon, self.peers.dead, self.new_event
