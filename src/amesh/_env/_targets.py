@@ -43,8 +43,10 @@ __all__ = [
 class Launcher(Protocol):
     """Brings the hosts of one target up for one environment, and down after.
 
-    One launcher serves one mesh: :meth:`open` once, :meth:`close` once after (also
-    when what followed :meth:`open` failed).
+    One launcher serves one mesh: :meth:`open` once, :meth:`close` once after, when
+    the mesh has stopped or giving its hosts the environment failed. (A mesh whose
+    first processes fail to start is not closed: what the launcher started ends with
+    the controller, as ssh sessions and SLURM jobs of a controller do.)
     """
 
     async def open(self, target: Target, env: Env, wheels: Sequence[Wheel]) -> HostMesh:
