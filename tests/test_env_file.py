@@ -259,10 +259,10 @@ def test_show_and_check_never_print_a_secret_value(
     assert "cluster: slurm, per host {gpus = 8}" in out
     assert "ssh root@b.example, python python3" in out and "ssh me@a.example" in out
     # check: a missing lock is a problem to fix (exit 1); the hosts are listed
-    assert _cli.main(["env", "check", "titan", "--target", "lab"]) == 1
+    assert _cli.main(["env", "check", "titan", "--target", "cloud"]) == 1
     out = capsys.readouterr().out
-    assert "agent tcp://10.0.0.1:7000 (key " in out and "laptop" not in out
-    assert "hosts not asked" in out
+    assert "ssh root@b.example, python python3" in out and "laptop" not in out
+    assert "hosts not asked: the ssh launcher starts their agents at spawn" in out
     assert _cli.main(["env", "check", "titan", "--target", "nope"]) == 1
     assert "no target 'nope' (the targets: laptop, lab, cloud, cluster)" in capsys.readouterr().err
 

@@ -23,6 +23,12 @@ def test_every_public_name_is_exported() -> None:
         assert getattr(obj, "__doc__", None), f"amesh.{name} has no docstring"
 
 
+def test_environments_are_public() -> None:
+    assert {"Environment", "EnvError"} <= set(amesh.__all__)
+    assert issubclass(amesh.EnvError, ValueError)  # (a bad file, a bad lock: bad input)
+    assert callable(amesh.Environment.load) and callable(amesh.Environment.spawn_procs)
+
+
 def test_amesh_testing_exports_what_users_test_with() -> None:
     import amesh.testing
 

@@ -245,3 +245,40 @@ def test_project_sources_leave_out_amesh_and_the_environment() -> None:
     assert not [name for name in found if name == "amesh" or name.startswith("amesh.")]
     assert not [name for name in found if name.split(".")[0] in ("anyio", "msgspec")]
     assert "tests.reload_actors" in project_sources([ROOT / "tests"])
+
+
+def test_moving_to_a_new_tree_repoints_modules_and_reloads_the_changed_ones(
+    tmp_path: Path,
+) -> None:
+    """CodeTracker.move_root (what ProcMesh.sync runs in each worker): modules of the
+    old tree (a package and its submodule) name the new one; the changed one is
+    reloaded; a module whose file the new tree lacks stays; the import path moves."""
+    from amesh._reload import CodeTracker
+
+    pkg = f"movedpkg_{uuid.uuid4().hex[:8]}"
+    old, new = tmp_path / "old", tmp_path / "new"
+    for tree, value in ((old, 1), (new, 2)):
+        (tree / pkg).mkdir(parents=True)
+        (tree / pkg / "__init__.py").write_text("")
+        (tree / pkg / "same.py").write_text("KEPT = True\n")
+        (tree / pkg / "changed.py").write_text(f"VALUE = {value}\n")
+    (old / pkg / "gone.py").write_text("GONE = True\n")
+    (new / pkg / "added.py").write_text("ADDED = True\n")
+    sys.path.insert(0, str(old))
+    try:
+        same = importlib.import_module(f"{pkg}.same")
+        changed = importlib.import_module(f"{pkg}.changed")
+        gone = importlib.import_module(f"{pkg}.gone")
+        reloaded = CodeTracker().move_root(str(old), str(new))
+        assert reloaded == [f"{pkg}.changed"]
+        assert changed.VALUE == 2 and changed.__file__ == str(new / pkg / "changed.py")
+        assert same.__file__ == str(new / pkg / "same.py")
+        assert gone.__file__ == str(old / pkg / "gone.py")  # (nothing to move it to)
+        assert sys.modules[pkg].__path__ == [str(new / pkg)]
+        assert str(new) in sys.path and str(old) not in sys.path
+        assert importlib.import_module(f"{pkg}.added").ADDED  # found in the new tree
+        assert CodeTracker().move_root(str(new), str(new)) == []
+    finally:
+        sys.path[:] = [p for p in sys.path if p not in (str(old), str(new))]
+        for name in [m for m in sys.modules if m == pkg or m.startswith(f"{pkg}.")]:
+            del sys.modules[name]

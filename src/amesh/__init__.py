@@ -4,9 +4,10 @@ The public API is re-exported here from private modules; the layers, lowest firs
 ``_transport`` (frames between processes), ``_wire`` (envelopes, payloads),
 ``_runtime`` (router, mailboxes, pending calls), ``_model`` (actors, endpoints, actor
 and value meshes, restart policies), ``_mesh`` (ProcMesh, its lifecycle and
-supervisor), ``_worker`` (a worker's main) and ``_hosts`` (where processes come
-from). Lower layers never import higher ones, not even inside a function;
-``lint-imports`` checks it (``[tool.importlinter]`` in pyproject.toml).
+supervisor), ``_worker`` (a worker's main), ``_hosts`` (where processes come from)
+and ``_env`` (environments: their files, locks, wheels and targets). Lower layers
+never import higher ones, not even inside a function; ``lint-imports`` checks it
+(``[tool.importlinter]`` in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from . import _hosts
 from ._config import ConfigError as ConfigError
 from ._config import configure as configure
 from ._debug import debug as debug
+from ._env import EnvError as EnvError
+from ._env import Environment as Environment
 from ._errors import ActorError as ActorError
 from ._errors import DeadlockError as DeadlockError
 from ._errors import Failure as Failure
@@ -56,6 +59,8 @@ __all__ = [
     "ActorMesh",
     "ConfigError",
     "DeadlockError",
+    "EnvError",
+    "Environment",
     "Failure",
     "HostMesh",
     "LocalHost",

@@ -47,6 +47,7 @@ __all__ = [
     "job_key",
     "key_for",
     "read_key_file",
+    "same_process",
     "write_key_file",
 ]
 
@@ -58,6 +59,9 @@ _key_lock = threading.Lock()
 _other_keys: list[bytes] = []
 #: address -> the key (not the job key) to prove ourselves with when dialling it
 _dial_keys: dict[str, bytes] = {}
+#: another address of a process -> the address it is known by (its local alias -> its
+#: ``tls+tcp`` address): dialled with that address's key
+_aliases: dict[str, str] = {}
 _JOB_TAG = b"amesh shm job v1\0"
 _job: tuple[bytes, str] | None = None  # (job key, its job id)
 
@@ -178,8 +182,16 @@ def hold_key(key: bytes, addrs: Iterable[str] = ()) -> None:
 
 def key_for(addr: str) -> bytes:
     """The key to prove ourselves with to the process at ``addr`` (see
-    :func:`hold_key`); the job key unless it holds another."""
-    return _dial_keys.get(addr) or job_key()
+    :func:`hold_key`, :func:`same_process`); the job key unless it holds another."""
+    return _dial_keys.get(addr) or _dial_keys.get(_aliases.get(addr, "")) or job_key()
+
+
+def same_process(alias: str, addr: str) -> None:
+    """``alias`` is another address of the process at ``addr`` (the transport sends to
+    a ``tls+tcp`` address of this host at its local alias): dial it with the key of
+    ``addr``, as learnt now or later (a worker of another key, this machine's
+    persistent meshes' say, proves itself from its ``tls+tcp`` address)."""
+    _aliases[alias] = addr
 
 
 def held_keys() -> list[bytes]:

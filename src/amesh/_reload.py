@@ -29,7 +29,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["CodeTracker", "Update", "project_sources", "source_hash", "updates_for"]
+__all__ = [
+    "CodeTracker",
+    "Update",
+    "moved_path",
+    "project_sources",
+    "source_hash",
+    "updates_for",
+]
 
 #: ``(module name, hash of its new source, the source when the worker's file differs)``
 Update = tuple[str, str, bytes | None]
@@ -163,6 +170,82 @@ class CodeTracker:
             self._running[name] = source_hash(data)
             done.append(name)
         return done
+
+    def move_root(self, old: str, new: str) -> list[str]:
+        """Move this process from workspace tree ``old`` to tree ``new`` (both on this
+        host, made whole and never changed after): its import path, the ``PYTHONPATH``
+        its children get, its working directory, and each module imported from
+        ``old`` (its ``__file__``, a package's ``__path__``) now name ``new``; those
+        whose source differs in ``new`` are reloaded (as :meth:`load` does). A module
+        whose file ``new`` lacks stays as it is, naming ``old``.
+
+        Returns:
+            The names of the modules reloaded.
+
+        Raises:
+            ImportError: a module's new source failed to compile or to run.
+        """
+        old, new = os.path.realpath(old), os.path.realpath(new)
+        if old == new:
+            return []
+        sys.path[:] = [moved_path(p, old, new) for p in sys.path]
+        parts = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if any(p for p in parts):
+            os.environ["PYTHONPATH"] = os.pathsep.join(moved_path(p, old, new) for p in parts)
+        cwd = os.getcwd()
+        if moved_path(cwd, old, new) != cwd:
+            os.chdir(moved_path(cwd, old, new))
+        updates: list[Update] = []
+        for name, module in list(sys.modules.items()):
+            update = self._move_module(name, module, old, new)
+            if update is not None:
+                updates.append(update)
+        importlib.invalidate_caches()  # (finders of the old tree's folders cached listings)
+        return self.load(updates)
+
+    def _move_module(self, name: str, module: ModuleType, old: str, new: str) -> Update | None:
+        """Point ``module`` at its file in tree ``new``; the update that reloads it,
+        if its source there is not what it runs."""
+        path = _source_file(module)
+        if path is None:
+            return None
+        moved = moved_path(path, old, new)
+        if moved == path or not os.path.isfile(moved):
+            return None
+        try:
+            running = self._running.get(name) or source_hash(Path(path).read_bytes())
+            data = Path(moved).read_bytes()
+        except OSError:
+            return None
+        module.__file__ = moved
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.origin == path:
+            spec.origin = moved
+            if spec.submodule_search_locations is not None:
+                spec.submodule_search_locations[:] = [
+                    moved_path(p, old, new) for p in spec.submodule_search_locations
+                ]
+        search = getattr(module, "__path__", None)
+        if isinstance(search, list):
+            search[:] = [moved_path(p, old, new) for p in search]
+        digest = source_hash(data)
+        self._running[name] = running
+        if name in _MAINS or digest == running:
+            return None
+        return (name, digest, None)
+
+
+def moved_path(path: str, old: str, new: str) -> str:
+    """``path``, under folder ``old`` (its real path), as the same path under ``new``;
+    any other path as it is."""
+    if not path:
+        return path
+    real = os.path.realpath(path)
+    if real == old:
+        return new
+    if real.startswith(old + os.sep):
+        return new + real[len(old) :]
+    return path
 
 
 def _execute(module: ModuleType, path: str, data: bytes, sent: bool) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ._base import EnvError
+from ._check import probe_hosts
 from ._file import EnvSpec, LocalTarget, SlurmTarget, SshTarget, Target, load_spec, parse_spec
 from ._hub_commands import COMMANDS as HUB_COMMANDS
 from ._hub_commands import add_parsers as add_hub_parsers
@@ -27,10 +28,11 @@ from ._specs import check_requirement, python_satisfies, requirement_name
 
 __all__ = ["HostProbe", "add_parser", "describe_hosts", "main"]
 
-#: What the host side answers for a target: one line per host of what it lacks
-#: (a Python that satisfies the file, the environment's venv...). None here: this
-#: package does not reach hosts; the host agents' check plugs in through ``main``.
-HostProbe = Callable[[EnvSpec, str, Target], list[str]]
+#: What a target's hosts answer (``probe(spec, target name, target)``): a line per
+#: host and whether it names a problem (a Python that does not satisfy the file's, an
+#: agent that cannot be reached); None where they cannot be asked before a spawn.
+#: :func:`._check.probe_hosts` asks host agents; tests give their own.
+HostProbe = Callable[[EnvSpec, str, Target], list[tuple[str, bool]] | None]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,7 +87,8 @@ def main(args: argparse.Namespace, probe: HostProbe | None = None) -> int:
 
     Args:
         args: from the parser :func:`add_parser` made.
-        probe: asks a target's hosts what they lack (the host side); None: not asked.
+        probe: asks a target's hosts what they lack (default: their agents, see
+            :func:`._check.probe_hosts`).
 
     Returns:
         The exit status.
@@ -103,7 +106,7 @@ def main(args: argparse.Namespace, probe: HostProbe | None = None) -> int:
             return _lock(spec, args)
         if args.env_command == "show":
             return _show(spec)
-        return _check(spec, args.target, probe)
+        return _check(spec, args.target, probe or probe_hosts)
     except EnvError as exc:
         print(f"amesh env {args.env_command}: {exc}", file=sys.stderr)
         return 1
@@ -185,7 +188,7 @@ def describe_hosts(spec: EnvSpec, target: Target) -> list[str]:
     return [f"agent {a}{key}" for a in target.agents]
 
 
-def _check(spec: EnvSpec, only: str | None, probe: HostProbe | None) -> int:
+def _check(spec: EnvSpec, only: str | None, probe: HostProbe) -> int:
     if only is not None and only not in spec.targets:
         known = ", ".join(spec.targets) or "none"
         raise EnvError(f"{spec.file}: no target {only!r} (the targets: {known})")
@@ -205,12 +208,12 @@ def _check(spec: EnvSpec, only: str | None, probe: HostProbe | None) -> int:
         print(f"{name} ({target.launcher}):")
         for line in describe_hosts(spec, target):
             print(f"  {line}")
-        if probe is None:
-            print("  hosts not asked: checking a host's Python and venv comes with the host side")
+        answers = probe(spec, name, target)
+        if answers is None:
+            print(f"  hosts not asked: the {target.launcher} launcher starts their agents at spawn")
             continue
-        needs = probe(spec, name, target)
-        problems += len(needs)
-        for line in needs or ["  every host has what it needs"]:
+        for line, problem in answers:
+            problems += problem
             print(f"  {line}")
     return 1 if problems else 0
 

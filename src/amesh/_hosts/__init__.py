@@ -28,7 +28,14 @@ from ._deliver import Delivered, EnvPackages, ProvisionError
 from ._home import state_dir
 from ._inprocess import InProcessHost
 from ._local import LocalHost, this_host
-from ._remote import HostMesh, attach, attach_mesh, local_holder, remote_debuggers
+from ._remote import (
+    HostMesh,
+    attach,
+    attach_mesh,
+    local_holder,
+    local_hosts,
+    remote_debuggers,
+)
 from ._slurm import SlurmJob
 from ._ssh import SshHosts
 
@@ -51,6 +58,7 @@ __all__ = [
     "agent_main",
     "attach",
     "attach_mesh",
+    "local_hosts",
     "parse_listen",
     "plug_in",
     "state_dir",

@@ -17,11 +17,22 @@ import logging
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 
 from .._config import settings
-from .._depot import BlobStore, BlobWriter, Manifest, materialise, realise_venv
+from .._depot import (
+    MARKER,
+    BlobStore,
+    BlobWriter,
+    Manifest,
+    PythonError,
+    check_python,
+    materialise,
+    python_version,
+    realise_venv,
+)
 from .._model import endpoint
 from .._runtime import call_context
 from ._home import state_dir
@@ -170,3 +181,31 @@ class DepotEndpoints:
         depot = self.depot()
         tree = await anyio.to_thread.run_sync(materialise, depot.store, depot.root, manifest)
         return str(tree)
+
+    @endpoint(concurrent=True)
+    async def env_needs(
+        self, env_hash: str, python_spec: str, digests: list[str]
+    ) -> dict[str, Any]:
+        """What this host would need of an environment, without building anything:
+        ``python`` (its agent's version, ``"3.11.4"``), ``python_fits`` (""; else
+        why its Python does not satisfy ``python_spec``), ``venv`` (the venv of
+        ``env_hash`` is built here already; False for ""), ``missing`` (those of the
+        blobs ``digests`` that it lacks)."""
+        depot = self.depot()
+
+        def ask() -> dict[str, Any]:
+            fits = ""
+            if python_spec:
+                try:
+                    check_python(sys.executable, python_spec, depot.host)
+                except (PythonError, ValueError) as exc:
+                    fits = str(exc)
+            built = bool(env_hash) and (depot.root / "venvs" / env_hash / MARKER).exists()
+            return {
+                "python": ".".join(map(str, python_version(sys.executable))),
+                "python_fits": fits,
+                "venv": built,
+                "missing": depot.store.missing(digests),
+            }
+
+        return await anyio.to_thread.run_sync(ask)

@@ -328,6 +328,22 @@ class HostMesh(MeshView):
         scanned = await anyio.to_thread.run_sync(scan, roots, excludes, cache)
         return await self.provision(workspace=scanned)
 
+    async def env_needs(
+        self, env_hash: str, python_spec: str, digests: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """What each host would need of an environment (see
+        :meth:`~._provision.DepotEndpoints.env_needs`), with its ``host``, in host
+        order; nothing is sent or built."""
+        answers = await self._agents.env_needs.call(env_hash, python_spec, list(digests))
+        return [{"host": i["host"], **a} for i, a in zip(self._infos, answers.values())]
+
+    def placement(self, per_host: int, mesh_name: str = "") -> Holder:
+        """The Host of a ProcMesh with ``per_host`` processes on each of these hosts
+        (slot ``s`` on host ``s // per_host``), for persistent mesh ``mesh_name`` if
+        given: what :meth:`spawn_procs` gives its ProcMesh, for a host that wraps it
+        (an environment's, which provisions these hosts first)."""
+        return _Placement(self, per_host, mesh_name)
+
     def spawn_procs(
         self,
         per_host: Mapping[str, int] | None = None,

@@ -131,7 +131,12 @@ class Host(Protocol):
     to the user's count on this machine (``tasks_per_process``; 0 if it does not, as
     for processes on other machines), for the room a mesh makes before it starts. A
     host whose processes run on other machines may check there before any starts
-    (``async make_room(slots)``, raising OSError where they do not fit).
+    (``async make_room(slots)``, raising OSError where they do not fit). A host that
+    gives its processes a workspace tree may move them to the workspace as it is now
+    (``async sync_workspace(slots)``: sends it, and returns each slot's ``(old tree,
+    new tree)``, ``("", "")`` for none; see :meth:`ProcMesh.sync`). A host that
+    brought machines up for the mesh lets go of them in ``async aclose()``, which the
+    mesh awaits once its processes have stopped.
     """
 
     async def start_proc(self, rt: Runtime, spec: WorkerSpec) -> ProcHandle:

@@ -270,7 +270,31 @@ class Lifecycle:
             rt.peers.unwatch(p.addr)
             rt.peer_failed(p.addr, failure_of(self.label, slot, p, "was stopped by its owner"))
             _wire.remove_segments_of(p.pid)
+        # a host that brought machines up for this mesh (an environment's) lets go of them
+        close_host = getattr(self.host, "aclose", None)
+        if close_host is not None:
+            with anyio.CancelScope(shield=True):
+                await close_host()
         st.closed.set()
+
+    async def move_to_workspace(
+        self, agents: ActorMesh[ProcAgent], slots: list[int]
+    ) -> ValueMesh[list[str]]:
+        """Have the host send the workspace as it is now (``sync_workspace``, see
+        :class:`~._host.Host`) and ``agents`` (the processes of ``slots``) move to its
+        new tree; the modules each reloaded (see :meth:`ProcMesh.sync`).
+
+        Raises:
+            RuntimeError: the host has no workspace to sync.
+        """
+        move = getattr(self.host, "sync_workspace", None)
+        if move is None:
+            raise RuntimeError(
+                f"{self.label} has no workspace to sync: spawn it from an "
+                "amesh.Environment (or push edited modules with sync_code())"
+            )
+        trees: list[tuple[str, str]] = await move(slots)
+        return await agents.move_code.call(ValueMesh.of(agents, [list(t) for t in trees]))
 
     def agents_of(self, procs: list[ProcHandle]) -> ActorMesh[ProcAgent]:
         shape = Shape(["procs"], [len(procs)])

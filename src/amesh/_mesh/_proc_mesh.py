@@ -782,3 +782,14 @@ class ProcMesh(MeshView):
         if not any(updates):
             return ValueMesh.of(self, [[] for _ in updates])
         return await agents.load_code.call(ValueMesh.of(agents, updates))
+
+    @bridged
+    async def sync(self) -> ValueMesh[list[str]]:
+        """Bring the workspace as it is now to the running processes of a mesh of an
+        :class:`amesh.Environment`: each host gets the files that changed, and each
+        process moves to the new tree and reloads the modules that changed, as
+        :meth:`sync_code` does; returns their names. Processes started later start
+        there. RuntimeError: no environment's mesh; ActorError: a reload failed.
+        """
+        st = self._live()
+        return await self._life.move_to_workspace(self._agents(st), list(self._shape.slots))

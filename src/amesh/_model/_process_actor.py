@@ -133,6 +133,13 @@ class ProcAgent(Actor):
         return self._code.load(updates)
 
     @endpoint
+    def move_code(self, trees: list[str]) -> list[str]:
+        """For :meth:`ProcMesh.sync`: ``trees`` is ``[old, new]`` (both "": this
+        process has no workspace); see :meth:`amesh._reload.CodeTracker.move_root`."""
+        old, new = trees
+        return self._code.move_root(old, new) if old and new else []
+
+    @endpoint
     def statistics(self) -> dict[str, Any]:
         """This worker's runtime counters."""
         stats = msgspec.structs.asdict(current_runtime().statistics())

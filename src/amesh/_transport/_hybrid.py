@@ -52,7 +52,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from .._identity import has_key
+from .._identity import has_key, same_process
 from ._base import Deliver, Transport, TransportClosed, TransportStats
 from ._frame import DEFAULT_MAX_FRAME, Frame
 from ._guard import Limits
@@ -292,6 +292,7 @@ class HybridTransport:
         else:
             route = streams, alias
             self._canonical[alias] = addr
+            same_process(alias, addr)
         self._routes[addr] = route
         return route
 
@@ -445,6 +446,7 @@ class HostStreams(StreamTransport):
         link = super()._link(alias)
         self._links[addr] = link
         self._canonical[alias] = addr
+        same_process(alias, addr)
         return link
 
     def _unreachable(self, addr: str) -> None:
