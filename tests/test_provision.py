@@ -179,6 +179,43 @@ async def test_workers_run_in_the_env_venv_and_workspace_and_a_sync_reaches_them
             assert [s["wsmod"] for s in await probe_all(synced)] == [2, 2]
 
 
+async def test_two_environments_live_side_by_side_on_one_host(
+    tmp_path: Path, wheels: list[Path], project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two environments that differ in one package's version, on the same two hosts at
+    once: each has a venv of its own there, and each mesh's workers see their own."""
+    key = shared_key(tmp_path)
+    amesh_only = [w for w in wheels if not w.name.startswith("tinypkg-")]
+    other = tiny_wheel(
+        tmp_path / "other", "tinypkg", "2.0", {"tinypkg/__init__.py": "VALUE = 42\n"}
+    )
+    first, second = packages(wheels), packages([*amesh_only, other])
+    assert first.env_hash != second.env_hash
+    with anyio.fail_after(110):
+        async with two_agents(tmp_path, key, monkeypatch) as (a1, a2), tcp_runtime():
+            hosts = await amesh.attach([a1.addr, a2.addr], key_file=str(key))
+            workspace = scan([project])
+            in_first = await hosts.provision(first, workspace)
+            in_second = await hosts.provision(second, workspace)
+            async with anyio.create_task_group() as tg:  # both meshes up at once
+                seen: dict[str, list[dict[str, Any]]] = {}
+
+                async def probe(name: str, where: amesh.HostMesh) -> None:
+                    seen[name] = await probe_all(where)
+
+                tg.start_soon(probe, "first", in_first)
+                tg.start_soon(probe, "second", in_second)
+            assert [s["tinypkg"] for s in seen["first"]] == [41, 41]
+            assert [s["tinypkg"] for s in seen["second"]] == [42, 42]
+            for name in ("a1", "a2"):
+                venvs = tmp_path / f"depot-{name}" / "venvs"
+                for env in (first, second):
+                    assert (venvs / env.env_hash / MARKER).exists()
+            # the second sent each host only the wheel it lacked
+            assert in_second.delivered is not None
+            assert [d.blobs_sent for d in in_second.delivered] == [1, 1]
+
+
 async def test_a_host_whose_python_does_not_fit_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
