@@ -3,31 +3,80 @@ node's agent runs in a mount namespace where the checkout, the controller's venv
 interpreter, and every cache are hidden (tmpfs over /work and /tmp, a home of the
 node's own over /root), so the only Python there is the system's. The launcher brings
 amesh (its bundle), the environment brings a package the nodes lack, and a second job
-reuses what the first built."""
+reuses what the first built. Then the same through the public API only: an environment
+file whose ``cluster`` target is ``launcher = "slurm"``, and examples/environments.ipynb
+run on that target."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import stat
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from amesh import SlurmJob
-from amesh._depot import MARKER, scan
+from amesh import SlurmJob, _config
+from amesh._depot import MARKER, repack, scan
+from amesh._env import Environment
 from amesh._hosts import AgentBundle, EnvPackages
 from amesh._identity import read_key_file
 from amesh._runtime import open_runtime
 from amesh._transport import open_transport
 
 from .cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
+from .depot_wheels import dependencies_of, tiny_wheel
+from .env_example import example_env, expected_cells, run_example
 from .env_hosts import LOOKUP, NOTHING, SYSTEM_PYTHON, env_project, hide, made  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240), pytest.mark.anyio]
 
 NODES = ("amesh-n1", "amesh-n2")
+SECRET = "CLUSTER_TEST_TOKEN"
+SECRET_VALUE = "tok-cluster-9b2e41"
+
+#: the workspace's actor: where it runs, what it imports, what its environment holds
+CLUSTER_PROBE = """
+import os
+import socket
+import sys
+
+import amesh
+
+
+class Probe(amesh.Actor):
+    @amesh.endpoint
+    def where(self) -> dict:
+        import tinypkg
+        import wsmod
+
+        return {
+            "host": socket.gethostname(),
+            "python": sys.executable,
+            "amesh": amesh.__file__,
+            "tinypkg": tinypkg.VALUE,
+            "wsmod": wsmod.VALUE,
+            "greeting": os.environ.get("GREETING"),
+            "secret": os.environ.get("CLUSTER_TEST_TOKEN"),
+        }
+"""
+
+ENV_FILE = f"""\
+format = 1
+name = "clustertest"
+python = ">=3.11"
+dependencies = ["tinypkg==1.0"]
+env = {{ GREETING = "hello" }}
+secrets = ["{SECRET}"]
+
+[workspace]
+paths = ["../project"]
+
+"""
 
 
 @pytest.fixture
@@ -114,3 +163,164 @@ async def test_an_environment_reaches_nodes_with_nothing_but_python(
     assert [(d.blobs_sent, d.bytes_sent) for d in delivered] == [(0, 0)] * len(NODES)
     assert [s["tinypkg"] for s in seen] == [41] * len(NODES)
     assert [(v / MARKER).stat().st_mtime_ns for v in venvs + envs] == built
+
+
+# ---- the same through amesh.Environment: an environment file's slurm target -----------------
+
+
+def cluster_target(homes: Path) -> str:
+    """The ``[targets.cluster]`` of the tests' files: NODES, in the cluster's partition,
+    each node's agent in a namespace that hides the controller's files (``wrap``)."""
+    return (
+        "[targets.cluster]\n"
+        'launcher = "slurm"\n'
+        f"nodes = {len(NODES)}\n"
+        'partition = "amesh"\n'
+        'time = "10:00"\n'
+        f'python = "{SYSTEM_PYTHON}"\n'
+        f"sbatch_args = {json.dumps(['-w', ','.join(NODES)])}\n"
+        f"wrap = {json.dumps(list(hide(homes)))}\n"
+        "per_host = { procs = 1 }\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def links(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheelhouse: amesh's dependencies repacked from this interpreter, and
+    ``tinypkg``, which no node has (environments are locked and fetched offline)."""
+    out = tmp_path_factory.mktemp("links")
+    for dep in dependencies_of("amesh"):
+        repack(dep, out)
+    tiny_wheel(out, "tinypkg", "1.0", {"tinypkg/__init__.py": "VALUE = 41\n"})
+    return out
+
+
+@pytest.fixture
+def controller(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Path]:
+    """A controller that listens on the cluster's network (``AMESH_HOST``), with its
+    own state, cache and jobs directories; the nodes' homes (what the nodes keep
+    between jobs), empty. Every job of the test has ended at the end."""
+    for name, value in {
+        "SLURM_CONF": slurm_cluster.slurm_conf,
+        "AMESH_HOST": slurm_cluster.host_address,
+        "AMESH_JOBS_DIR": str(tmp_path / "jobs"),
+        "AMESH_STATE_DIR": str(tmp_path / "state"),
+        "AMESH_CACHE_DIR": str(tmp_path / "cache"),
+        SECRET: SECRET_VALUE,
+    }.items():
+        monkeypatch.setenv(name, value)
+    _config.reset(overrides=False)
+    homes = tmp_path / "homes"
+    for node in NODES:
+        (homes / node).mkdir(parents=True, mode=0o700)
+    try:
+        yield homes
+    finally:
+        wait_jobs(slurm_cluster)
+        monkeypatch.undo()
+        _config.reset(overrides=False)
+
+
+def wait_jobs(cluster: SlurmCluster) -> None:
+    """Wait until every job has ended (their nodes free for the next)."""
+    for job in cluster.squeue():
+        cluster.wait_job(int(job["id"]), timeout=60)
+
+
+def built(homes: Path) -> dict[str, int]:
+    """The nodes' venvs (the agents' and the environments'), by path: when each was
+    completed."""
+    markers = sorted(homes.glob(f"*/.cache/amesh/*/*/{MARKER}"))
+    markers += sorted(homes.glob(f"*/.cache/amesh/depot/venvs/*/{MARKER}"))
+    return {str(m.relative_to(homes)): m.stat().st_mtime_ns for m in markers}
+
+
+async def probe_cluster(env: Environment, sync_to: int = 0) -> tuple[list[dict[str, Any]], Any]:
+    """What each rank of the environment's ``cluster`` target sees (after a sync of
+    ``wsmod`` edited to ``VALUE = sync_to`` when given), and what its hosts were sent."""
+    probe = importlib.import_module("cluster_probe")
+    wsmod = env.spec.resolve("../project/wsmod.py")
+    async with env.spawn_procs(target="cluster", per_host={"procs": 1}) as procs:
+        probes = await procs.spawn("probe", probe.Probe)
+        seen = list((await probes.where.call()).values())
+        delivered = procs._host.hosts.delivered
+        if sync_to:
+            wsmod.write_text(f"VALUE = {sync_to}\n")
+            reloaded = await procs.sync()
+            assert list(reloaded.values()) == [["wsmod"]] * len(NODES)
+            seen = list((await probes.where.call()).values())
+    return seen, delivered
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[Path]:
+    """The workspace: the probe's module (the controller imports it too), and a
+    module of its own that the workers import."""
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "cluster_probe.py").write_text(CLUSTER_PROBE)
+    (root / "wsmod.py").write_text("VALUE = 1\n")
+    sys.path.insert(0, str(root))
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("cluster_probe", None)
+
+
+async def test_an_environment_file_s_slurm_target_spawns_on_nodes_with_nothing_but_python(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    controller: Path,
+    project: Path,
+    links: Path,
+    tmp_path: Path,
+) -> None:
+    homes = controller
+    for node in NODES:
+        assert on_node(slurm_cluster, homes, node, LOOKUP) == NOTHING
+    (tmp_path / "envs").mkdir()
+    path = tmp_path / "envs" / "clustertest.toml"
+    path.write_text(ENV_FILE + cluster_target(homes))
+    env = Environment.load(path, find_links=[links], no_index=True)
+    venv = f"/root/.cache/amesh/depot/venvs/{env.hash}"
+
+    with anyio.fail_after(150):
+        seen, _ = await probe_cluster(env, sync_to=2)
+    assert sorted(s["host"] for s in seen) == list(NODES)
+    for s in seen:
+        assert (s["python"], s["tinypkg"], s["wsmod"]) == (f"{venv}/bin/python", 41, 2)
+        assert s["amesh"].startswith(f"{venv}/lib/")  # (amesh came with the launcher)
+        assert (s["greeting"], s["secret"]) == ("hello", SECRET_VALUE)
+    first = built(homes)
+    assert len(first) == 2 * len(NODES)  # (an agent's venv and the environment's, each)
+    wait_jobs(slurm_cluster)
+
+    # a second open, a job of its own: nothing is sent again, nothing rebuilt
+    with anyio.fail_after(90):
+        seen, delivered = await probe_cluster(env)
+    assert [(d.blobs_sent, d.bytes_sent) for d in delivered] == [(0, 0)] * len(NODES)
+    assert [(s["tinypkg"], s["wsmod"]) for s in seen] == [(41, 2)] * len(NODES)
+    assert built(homes) == first
+    # the secret reached the workers, and none of the jobs' files nor the nodes' homes
+    for folder in (tmp_path / "jobs", homes):
+        for file in folder.rglob("*"):
+            if file.is_file() and not file.is_symlink():
+                assert SECRET_VALUE.encode() not in file.read_bytes(), file
+
+
+async def test_the_example_notebook_runs_its_cells_on_the_cluster_target(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    controller: Path,
+    links: Path,
+    tmp_path: Path,
+) -> None:
+    """examples/environments.ipynb, the same cells as on ``laptop``
+    (tests/test_environment.py), on the ``cluster`` target: a rank per node, each in
+    the environment's venv, and the edit synced to both."""
+    path = example_env(tmp_path, links, cluster_target(controller))
+    cells = await run_example(path, "cluster", tmp_path)
+    assert cells == expected_cells(list(NODES))
