@@ -12,16 +12,14 @@ from __future__ import annotations
 import importlib
 import json
 import stat
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from amesh import SlurmJob, _config
-from amesh._depot import MARKER, repack, scan
+from amesh import SlurmJob
+from amesh._depot import MARKER, scan
 from amesh._env import Environment
 from amesh._hosts import AgentBundle, EnvPackages
 from amesh._identity import read_key_file
@@ -29,54 +27,23 @@ from amesh._runtime import open_runtime
 from amesh._transport import open_transport
 
 from .cluster import SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
-from .depot_wheels import dependencies_of, tiny_wheel
 from .env_example import example_env, expected_cells, run_example
 from .env_hosts import LOOKUP, NOTHING, SYSTEM_PYTHON, env_project, hide, made  # noqa: F401
+from .env_targets import (  # noqa: F401  (the fixtures)
+    ENV_FILE,
+    built,
+    check_probes,
+    controller,
+    links,
+    no_secret_in,
+    probe_target,
+    target_project,
+    wait_jobs,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240), pytest.mark.anyio]
 
 NODES = ("amesh-n1", "amesh-n2")
-SECRET = "CLUSTER_TEST_TOKEN"
-SECRET_VALUE = "tok-cluster-9b2e41"
-
-#: the workspace's actor: where it runs, what it imports, what its environment holds
-CLUSTER_PROBE = """
-import os
-import socket
-import sys
-
-import amesh
-
-
-class Probe(amesh.Actor):
-    @amesh.endpoint
-    def where(self) -> dict:
-        import tinypkg
-        import wsmod
-
-        return {
-            "host": socket.gethostname(),
-            "python": sys.executable,
-            "amesh": amesh.__file__,
-            "tinypkg": tinypkg.VALUE,
-            "wsmod": wsmod.VALUE,
-            "greeting": os.environ.get("GREETING"),
-            "secret": os.environ.get("CLUSTER_TEST_TOKEN"),
-        }
-"""
-
-ENV_FILE = f"""\
-format = 1
-name = "clustertest"
-python = ">=3.11"
-dependencies = ["tinypkg==1.0"]
-env = {{ GREETING = "hello" }}
-secrets = ["{SECRET}"]
-
-[workspace]
-paths = ["../project"]
-
-"""
 
 
 @pytest.fixture
@@ -184,143 +151,55 @@ def cluster_target(homes: Path) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def links(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheelhouse: amesh's dependencies repacked from this interpreter, and
-    ``tinypkg``, which no node has (environments are locked and fetched offline)."""
-    out = tmp_path_factory.mktemp("links")
-    for dep in dependencies_of("amesh"):
-        repack(dep, out)
-    tiny_wheel(out, "tinypkg", "1.0", {"tinypkg/__init__.py": "VALUE = 41\n"})
+@pytest.fixture
+def homes(tmp_path: Path) -> Path:
+    """The nodes' homes (what a node keeps between jobs), empty."""
+    out = tmp_path / "homes"
+    for node in NODES:
+        (out / node).mkdir(parents=True, mode=0o700)
     return out
 
 
-@pytest.fixture
-def controller(
-    slurm_cluster: SlurmCluster,  # noqa: F811
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Path]:
-    """A controller that listens on the cluster's network (``AMESH_HOST``), with its
-    own state, cache and jobs directories; the nodes' homes (what the nodes keep
-    between jobs), empty. Every job of the test has ended at the end."""
-    for name, value in {
-        "SLURM_CONF": slurm_cluster.slurm_conf,
-        "AMESH_HOST": slurm_cluster.host_address,
-        "AMESH_JOBS_DIR": str(tmp_path / "jobs"),
-        "AMESH_STATE_DIR": str(tmp_path / "state"),
-        "AMESH_CACHE_DIR": str(tmp_path / "cache"),
-        SECRET: SECRET_VALUE,
-    }.items():
-        monkeypatch.setenv(name, value)
-    _config.reset(overrides=False)
-    homes = tmp_path / "homes"
-    for node in NODES:
-        (homes / node).mkdir(parents=True, mode=0o700)
-    try:
-        yield homes
-    finally:
-        wait_jobs(slurm_cluster)
-        monkeypatch.undo()
-        _config.reset(overrides=False)
-
-
-def wait_jobs(cluster: SlurmCluster) -> None:
-    """Wait until every job has ended (their nodes free for the next)."""
-    for job in cluster.squeue():
-        cluster.wait_job(int(job["id"]), timeout=60)
-
-
-def built(homes: Path) -> dict[str, int]:
-    """The nodes' venvs (the agents' and the environments'), by path: when each was
-    completed."""
-    markers = sorted(homes.glob(f"*/.cache/amesh/*/*/{MARKER}"))
-    markers += sorted(homes.glob(f"*/.cache/amesh/depot/venvs/*/{MARKER}"))
-    return {str(m.relative_to(homes)): m.stat().st_mtime_ns for m in markers}
-
-
-async def probe_cluster(env: Environment, sync_to: int = 0) -> tuple[list[dict[str, Any]], Any]:
-    """What each rank of the environment's ``cluster`` target sees (after a sync of
-    ``wsmod`` edited to ``VALUE = sync_to`` when given), and what its hosts were sent."""
-    probe = importlib.import_module("cluster_probe")
-    wsmod = env.spec.resolve("../project/wsmod.py")
-    async with env.spawn_procs(target="cluster", per_host={"procs": 1}) as procs:
-        probes = await procs.spawn("probe", probe.Probe)
-        seen = list((await probes.where.call()).values())
-        delivered = procs._host.hosts.delivered
-        if sync_to:
-            wsmod.write_text(f"VALUE = {sync_to}\n")
-            reloaded = await procs.sync()
-            assert list(reloaded.values()) == [["wsmod"]] * len(NODES)
-            seen = list((await probes.where.call()).values())
-    return seen, delivered
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Iterator[Path]:
-    """The workspace: the probe's module (the controller imports it too), and a
-    module of its own that the workers import."""
-    root = tmp_path / "project"
-    root.mkdir()
-    (root / "cluster_probe.py").write_text(CLUSTER_PROBE)
-    (root / "wsmod.py").write_text("VALUE = 1\n")
-    sys.path.insert(0, str(root))
-    try:
-        yield root
-    finally:
-        sys.path.remove(str(root))
-        sys.modules.pop("cluster_probe", None)
-
-
+@pytest.mark.usefixtures("controller", "target_project")
 async def test_an_environment_file_s_slurm_target_spawns_on_nodes_with_nothing_but_python(
     slurm_cluster: SlurmCluster,  # noqa: F811
-    controller: Path,
-    project: Path,
-    links: Path,
+    homes: Path,
+    links: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    homes = controller
     for node in NODES:
         assert on_node(slurm_cluster, homes, node, LOOKUP) == NOTHING
     (tmp_path / "envs").mkdir()
     path = tmp_path / "envs" / "clustertest.toml"
     path.write_text(ENV_FILE + cluster_target(homes))
     env = Environment.load(path, find_links=[links], no_index=True)
-    venv = f"/root/.cache/amesh/depot/venvs/{env.hash}"
 
     with anyio.fail_after(150):
-        seen, _ = await probe_cluster(env, sync_to=2)
-    assert sorted(s["host"] for s in seen) == list(NODES)
-    for s in seen:
-        assert (s["python"], s["tinypkg"], s["wsmod"]) == (f"{venv}/bin/python", 41, 2)
-        assert s["amesh"].startswith(f"{venv}/lib/")  # (amesh came with the launcher)
-        assert (s["greeting"], s["secret"]) == ("hello", SECRET_VALUE)
+        seen, _ = await probe_target(env, "cluster", sync_to=2)
+    check_probes(seen, env, list(NODES), 2)
     first = built(homes)
     assert len(first) == 2 * len(NODES)  # (an agent's venv and the environment's, each)
     wait_jobs(slurm_cluster)
 
     # a second open, a job of its own: nothing is sent again, nothing rebuilt
     with anyio.fail_after(90):
-        seen, delivered = await probe_cluster(env)
+        seen, delivered = await probe_target(env, "cluster")
     assert [(d.blobs_sent, d.bytes_sent) for d in delivered] == [(0, 0)] * len(NODES)
-    assert [(s["tinypkg"], s["wsmod"]) for s in seen] == [(41, 2)] * len(NODES)
+    check_probes(seen, env, list(NODES), 2)
     assert built(homes) == first
     # the secret reached the workers, and none of the jobs' files nor the nodes' homes
-    for folder in (tmp_path / "jobs", homes):
-        for file in folder.rglob("*"):
-            if file.is_file() and not file.is_symlink():
-                assert SECRET_VALUE.encode() not in file.read_bytes(), file
+    no_secret_in(tmp_path / "jobs", homes)
 
 
+@pytest.mark.usefixtures("controller")
 async def test_the_example_notebook_runs_its_cells_on_the_cluster_target(
-    slurm_cluster: SlurmCluster,  # noqa: F811
-    controller: Path,
-    links: Path,
+    homes: Path,
+    links: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
     """examples/environments.ipynb, the same cells as on ``laptop``
     (tests/test_environment.py), on the ``cluster`` target: a rank per node, each in
     the environment's venv, and the edit synced to both."""
-    path = example_env(tmp_path, links, cluster_target(controller))
+    path = example_env(tmp_path, links, cluster_target(homes))
     cells = await run_example(path, "cluster", tmp_path)
     assert cells == expected_cells(list(NODES))

@@ -146,6 +146,7 @@ class SshLauncher:
             user=target.user,
             python=target.python,
             key_file=_key(env, target.key_file),
+            ssh_args=target.ssh_args,
         )
         try:
             return await self._hosts.host_mesh()
