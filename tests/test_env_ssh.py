@@ -3,11 +3,13 @@ of scripts/cluster (each its own network namespace and address), the test starts
 Debian's sshd on a port of its own, with a throwaway host key and an authorized key it
 makes, in a mount namespace that hides the controller's files (tests/env_hosts.py); the
 `ssh` launcher brings amesh over the sessions, an environment brings a package the
-hosts lack, and a second open reuses what the first built."""
+hosts lack, and a second open reuses what the first built. Then the same through the
+public API only: an environment file whose ``cloud`` target is ``launcher = "ssh"``."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import shlex
 import socket
 import subprocess
@@ -20,12 +22,23 @@ import anyio
 import pytest
 
 from amesh._depot import MARKER, scan
+from amesh._env import Environment
 from amesh._hosts import AgentBundle, EnvPackages, SshHosts
 from amesh._runtime import open_runtime
 from amesh._transport import open_transport
 
 from .cluster import SCRIPTS, SlurmCluster, slurm_cluster  # noqa: F401  (the fixture)
 from .env_hosts import LOOKUP, NOTHING, SYSTEM_PYTHON, env_project, hide, made  # noqa: F401
+from .env_targets import (  # noqa: F401  (the fixtures)
+    ENV_FILE,
+    built,
+    check_probes,
+    controller,
+    links,
+    no_secret_in,
+    probe_target,
+    target_project,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240), pytest.mark.anyio]
 
@@ -205,3 +218,47 @@ async def test_an_environment_reaches_ssh_hosts_with_nothing_but_python(
     assert [(d.blobs_sent, d.bytes_sent) for d in delivered] == [(0, 0)] * len(NODES)
     assert [s["tinypkg"] for s in seen] == [41] * len(NODES)
     assert [(v / MARKER).stat().st_mtime_ns for v in venvs + envs] == built
+
+
+# ---- the same through amesh.Environment: an environment file's ssh target -------------------
+
+
+@pytest.mark.usefixtures("controller", "target_project")
+async def test_an_environment_file_s_ssh_target_spawns_on_hosts_with_nothing_but_python(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    sshd: tuple[Path, list[str]],
+    links: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    homes, options = sshd
+    addresses = [slurm_cluster.addresses[node] for node in NODES]
+    for address in addresses:
+        assert ssh(options, address, LOOKUP, homes) == NOTHING
+    identity = str(tmp_path / "client" / "id")
+    ssh_args = ["-p", str(PORT), "-i", identity, "-o", "IdentitiesOnly=yes", *options]
+    (tmp_path / "envs").mkdir()
+    path = tmp_path / "envs" / "clustertest.toml"
+    path.write_text(
+        ENV_FILE
+        + "[targets.cloud]\n"
+        + 'launcher = "ssh"\n'
+        + f"hosts = {json.dumps(addresses)}\n"
+        + f'python = "{SYSTEM_PYTHON}"\n'
+        + f"ssh_args = {json.dumps(ssh_args)}\n"
+    )
+    env = Environment.load(path, find_links=[links], no_index=True)
+
+    with anyio.fail_after(150):
+        seen, _ = await probe_target(env, "cloud", sync_to=2)
+    check_probes(seen, env, list(NODES), 2)
+    first = built(homes)
+    assert len(first) == 2 * len(NODES)  # (an agent's venv and the environment's, each)
+    # the mesh's end closed the sessions: their agents (and workers) are gone
+    assert [agents_on(slurm_cluster, node) for node in NODES] == [[], []]
+
+    with anyio.fail_after(90):
+        seen, delivered = await probe_target(env, "cloud")
+    assert [(d.blobs_sent, d.bytes_sent) for d in delivered] == [(0, 0)] * len(NODES)
+    check_probes(seen, env, list(NODES), 2)
+    assert built(homes) == first
+    no_secret_in(homes)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
-import nbformat
 import pytest
 
 from amesh import ProcMesh, _cli, _config
@@ -28,27 +28,28 @@ from amesh._depot import MARKER, repack
 from amesh._env import (
     EnvError,
     Environment,
+    LocalLauncher,
     SlurmLauncher,
     SlurmTarget,
     SshLauncher,
-    fetch_wheels,
     launcher_for,
     load_spec,
+    register_launcher,
 )
 from amesh._hosts._home import running_agent
 from amesh._hosts._remote import held_meshes
 
 from .depot_wheels import dependencies_of, tiny_wheel
+from .env_example import example_env, expected_cells, run_example
 from .test_agent import Agent, free_port, shared_key, tcp_runtime
-from .test_notebook import _EXECUTE as NOTEBOOK
-from .test_notebook import EXAMPLES
-from .test_notebook import _text as notebook_text
 from .test_provision import two_agents
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 SECRET = "AMESH_TEST_TOKEN"
 SECRET_VALUE = "tok-5f1d0c9e-never-on-disk"
+#: a secret the shell that starts the local agent exported: no business of an environment
+SHELL_TOKEN = "SHELL_EXPORTED_TOKEN"
 
 PROBE = """
 import os
@@ -73,6 +74,8 @@ class Probe(amesh.Actor):
             "cwd": os.getcwd(),
             "greeting": os.environ.get("GREETING"),
             "secret": os.environ.get("AMESH_TEST_TOKEN"),
+            "shell_token": os.environ.get("SHELL_EXPORTED_TOKEN"),
+            "path": os.environ.get("PATH"),
         }
 """
 
@@ -104,9 +107,10 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     cache and wheelhouse; an environment file with its workspace. The local agent is
     stopped at the end."""
     root = tmp_path_factory.mktemp("envs")
-    saved = {k: os.environ.get(k) for k in ("AMESH_STATE_DIR", "AMESH_CACHE_DIR")}
+    saved = {k: os.environ.get(k) for k in ("AMESH_STATE_DIR", "AMESH_CACHE_DIR", SHELL_TOKEN)}
     os.environ["AMESH_STATE_DIR"] = str(root / "state")
     os.environ["AMESH_CACHE_DIR"] = str(root / "cache")
+    os.environ[SHELL_TOKEN] = "shell-only-3a7c"  # (the local agent starts with it)
     _config.reset(overrides=False)
     links = root / "links"
     links.mkdir()
@@ -224,6 +228,55 @@ async def test_the_same_cells_run_on_two_agents_by_the_target_name(
                 assert not any(secret in line for line in a.log)
 
 
+async def test_workers_get_a_clean_environment_not_the_agent_s(home: Path, secret: str) -> None:
+    """The local agent was started with a secret its shell exported; an environment's
+    workers have none of it, only what they need of the agent's (PATH...), the file's
+    ``env`` and the environment's own secrets."""
+    env = load(home)
+    with anyio.fail_after(110):
+        seen, _ = await cells(env, "laptop")
+    running = running_agent()
+    assert running is not None
+    agent_env = Path(f"/proc/{running[0]}/environ").read_bytes().split(b"\0")
+    assert f"{SHELL_TOKEN}=shell-only-3a7c".encode() in agent_env  # (the agent has it)
+    for s in seen:
+        assert (s["shell_token"], s["greeting"], s["secret"]) == (None, "hello", secret)
+        assert s["path"] == os.environ["PATH"]
+
+
+class CountingLauncher(LocalLauncher):
+    """This machine's agent, counting the launcher's opens and closes."""
+
+    opened = closed = 0
+
+    async def open(self, *args: Any) -> Any:
+        CountingLauncher.opened += 1
+        return await super().open(*args)
+
+    async def close(self) -> None:
+        CountingLauncher.closed += 1
+
+
+async def test_the_launcher_closes_when_the_first_workers_fail_to_start(
+    home: Path, secret: str
+) -> None:
+    """The hosts were brought up and given the environment, then no worker started
+    (an interpreter that cannot start: a PYTHONHOME of nothing): the launcher is
+    closed all the same."""
+    env = load(home)
+    register_launcher("local", CountingLauncher)
+    try:
+        with anyio.fail_after(110):
+            with pytest.raises(ExceptionGroup) as failed:
+                async with env.spawn_procs(target="laptop", env={"PYTHONHOME": "/nonexistent"}):
+                    pytest.fail("no worker starts")
+    finally:
+        register_launcher("local", LocalLauncher)
+    # (provisioned: it got as far as starting the workers)
+    assert all("while starting" in str(e) for e in failed.value.exceptions), failed.value
+    assert (CountingLauncher.opened, CountingLauncher.closed) == (1, 1)
+
+
 async def test_a_sync_reaches_the_running_workers(home: Path, secret: str) -> None:
     env = load(home)
     probe_actors = importlib.import_module("probe_actors")
@@ -316,37 +369,11 @@ async def test_errors_come_before_any_worker_starts(
 async def test_the_example_notebook_spawns_in_an_environment_and_syncs(
     home: Path, tmp_path: Path
 ) -> None:
-    """examples/environments.ipynb in a kernel, on its own file made offline: the
-    example's, with a workspace of the test's (the notebook edits it, and puts it back)."""
-    workspace = home / "nbws"
-    workspace.mkdir()
-    example = EXAMPLES / "envs" / "demo_ws" / "greeting.py"
-    (workspace / "greeting.py").write_text(example.read_text())
-    path = home / "envs" / "demo.toml"
-    text = (EXAMPLES / "envs" / "demo.toml").read_text()
-    path.write_text(text.replace('paths = ["demo_ws"]', 'paths = ["../nbws"]'))
-    env = load(home, path)  # (locked and fetched here, offline: the notebook finds both)
-    fetch_wheels(env._env.lock, find_links=[home / "links"], no_index=True)
-    executed = tmp_path / "executed.ipynb"
-    with anyio.fail_after(110):
-        run = await anyio.run_process(
-            [
-                *(sys.executable, "-c", NOTEBOOK, str(EXAMPLES / "environments.ipynb")),
-                *(str(executed), str(tmp_path)),
-            ],
-            check=False,
-            env={**os.environ, "EXAMPLE_ENV_FILE": str(path)},
-        )
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
-    nb = nbformat.read(executed, as_version=4)
-    code = [notebook_text(c) for c in nb.cells if c.cell_type == "code"]
-    assert code == [
-        "demo ['laptop']\n",
-        "[(True, 1), (True, 1)]",
-        "reloaded: [['greeting'], ['greeting']]\n[(True, 2), (True, 2)]",
-        "stopped\n",
-    ]
-    assert "VALUE = 1\n" in (workspace / "greeting.py").read_text()
+    """examples/environments.ipynb in a kernel on its ``laptop`` target (its
+    ``cluster``: tests/test_env_slurm.py): every rank in the venv, the edit synced."""
+    path = example_env(home, home / "links")
+    cells = await run_example(path, "laptop", tmp_path)
+    assert cells == expected_cells([socket.gethostname()] * 2)
 
 
 def test_check_asks_a_target_s_agents_what_they_would_need(

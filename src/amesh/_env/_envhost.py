@@ -136,15 +136,15 @@ class EnvHost:
             launcher = launcher_for(self.target)
             wheels = await anyio.to_thread.run_sync(self._fetching.wheels, self.env)
             workspace = await self._scan()
-            hosts = await launcher.open(self.target, self.env, wheels)
             try:
+                hosts = await launcher.open(self.target, self.env, wheels)
                 hosts = await hosts.provision(packages_of(self.env, wheels), workspace)
-            except ProvisionError as exc:
-                await launcher.close()
-                raise EnvError(f"{self._where()}: {exc}") from exc
-            except BaseException:
+            except BaseException as exc:
+                # (what the launcher started before it failed, too: ssh sessions)
                 with anyio.CancelScope(shield=True):
                     await launcher.close()
+                if isinstance(exc, ProvisionError):
+                    raise EnvError(f"{self._where()}: {exc}") from exc
                 raise
             self._launcher, self._hosts = launcher, hosts
             self._placement = hosts.placement(self.per_host, self.mesh_name)

@@ -99,6 +99,7 @@ class SshTarget(msgspec.Struct, frozen=True, kw_only=True):
         user: the user on them, where a host does not say.
         python: the interpreter on them that builds the environment's venv.
         key_file: the job key, relative to the file's directory (None: a fresh one).
+        ssh_args: more arguments of ``ssh`` (``["-p", "2222"]``, ``["-J", "bastion"]``).
         per_host: the processes' shape on each host.
     """
 
@@ -107,6 +108,7 @@ class SshTarget(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None
     python: str = "python3"
     key_file: str | None = None
+    ssh_args: tuple[str, ...] = ()
     per_host: dict[str, int] = msgspec.field(default_factory=lambda: {"procs": 1})
 
 
@@ -118,6 +120,10 @@ class SlurmTarget(msgspec.Struct, frozen=True, kw_only=True):
         partition: ``sbatch -p`` (None: the default one).
         time: ``sbatch -t``, e.g. ``"2:00:00"`` (None: the partition's default).
         account: ``sbatch -A`` (None: the user's default).
+        python: the interpreter on the nodes that builds the agent's venv.
+        sbatch_args: more arguments of ``sbatch`` (``["--gres=gpu:8"]``).
+        wrap: a command prefix each node's agent runs under (a container's
+            ``["apptainer", "exec", "img.sif"]``, a namespace's ``["unshare", ...]``).
         per_host: the processes' shape on each node.
     """
 
@@ -126,6 +132,9 @@ class SlurmTarget(msgspec.Struct, frozen=True, kw_only=True):
     partition: str | None = None
     time: str | None = None
     account: str | None = None
+    python: str = "python3"
+    sbatch_args: tuple[str, ...] = ()
+    wrap: tuple[str, ...] = ()
     per_host: dict[str, int] = msgspec.field(default_factory=lambda: {"procs": 1})
 
 
@@ -280,6 +289,8 @@ def _target(check: _Checker, name: str, value: Any) -> Target:
             out[key] = check.strings(at, item, _AGENT)
         elif key == "hosts":
             out[key] = check.strings(at, item, _SSH_HOST)
+        elif key in ("sbatch_args", "ssh_args", "wrap"):
+            out[key] = check.strings(at, item)
         elif key == "nodes":
             if check.typed(at, item, int, "an int") < 1:
                 check.fail(at, f"expected a positive int, got {item}")

@@ -44,9 +44,8 @@ class Launcher(Protocol):
     """Brings the hosts of one target up for one environment, and down after.
 
     One launcher serves one mesh: :meth:`open` once, :meth:`close` once after, when
-    the mesh has stopped or giving its hosts the environment failed. (A mesh whose
-    first processes fail to start is not closed: what the launcher started ends with
-    the controller, as ssh sessions and SLURM jobs of a controller do.)
+    the mesh has stopped, its first processes failed to start, or giving its hosts
+    the environment failed.
     """
 
     async def open(self, target: Target, env: Env, wheels: Sequence[Wheel]) -> HostMesh:
@@ -147,6 +146,7 @@ class SshLauncher:
             user=target.user,
             python=target.python,
             key_file=_key(env, target.key_file),
+            ssh_args=target.ssh_args,
         )
         try:
             return await self._hosts.host_mesh()
@@ -174,15 +174,17 @@ class SlurmLauncher:
             EnvError: ``sbatch`` refused the job, or its agents did not start.
         """
         assert isinstance(target, SlurmTarget)
-        extra = ("-A", target.account) if target.account else ()
+        account = ("-A", target.account) if target.account else ()
         self._job = SlurmJob(
             target.nodes,
             # (a name of its own: SlurmJob gives a running job of the same name back)
             name=f"{env.spec.name[:48]}-{uuid.uuid4().hex[:12]}",
             partition=target.partition,
             time=target.time,
-            sbatch_args=extra,
+            python=target.python,
+            sbatch_args=(*account, *target.sbatch_args),
             bundle=await _bundle(wheels),
+            wrap=target.wrap,
         )
         try:
             return await self._job.host_mesh()

@@ -68,7 +68,7 @@ from .._runtime import (
 )
 from .._transport import HostStreams, HybridTransport, Limits, Transport, default_impl, open_tls
 from ._home import hold_agent_lock, state_dir
-from ._local import launch_worker, start_zygote
+from ._local import base_env, launch_worker, start_zygote
 from ._provision import DepotEndpoints
 
 __all__ = ["AGENT_ACTOR", "DEFAULT_GRACE", "HostAgent", "parse_listen", "serve_agent"]
@@ -184,7 +184,9 @@ class HostAgent(DepotEndpoints, Actor):
         assert ctx is not None
         owner = ctx.sender
         rt = current_runtime()
-        child_env = dict(os.environ)
+        # a worker of an environment (its venv's Python) gets what it needs of ours,
+        # a plain one all of it (as on the controller's machine)
+        child_env = base_env(os.environ) if spec.python else dict(os.environ)
         child_env.update(spec.env)
         child_env.update(debug_env(lambda: state_dir() / "debug", relayed=True))
         child_env.setdefault("PYTHONUNBUFFERED", "1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -34,7 +35,7 @@ from ._ready import ReadyWaiter
 if TYPE_CHECKING:
     from ._zygote import Zygote, ZygoteProcess
 
-__all__ = ["LocalHost", "launch_worker", "this_host"]
+__all__ = ["LocalHost", "base_env", "launch_worker", "this_host"]
 
 log = logging.getLogger("amesh.hosts")
 
@@ -70,6 +71,30 @@ class LocalHost:
             raise
         msg = await ready.started(process, pid)
         return ProcHandle(msg.addr, msg.pid, process)
+
+
+#: what of a host's environment a worker of an environment keeps (the rest, a secret
+#: the shell that started the agent exported say, is no business of that environment):
+#: who and where it is, its locale, and what machines and schedulers say of
+#: themselves (accelerators, SLURM's step), and amesh's own settings
+_BASE_ENV = re.compile(
+    r"(PATH|HOME|USER|LOGNAME|SHELL|TERM|TMPDIR|TZ|LANG|LANGUAGE|LC_\w+|LD_LIBRARY_PATH"
+    r"|CUDA_\w+|NVIDIA_\w+|HIP_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|SLURM_\w+|AMESH_\w+)"
+)
+
+
+def base_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a worker of an environment starts from, of its host's
+    ``environ``: only the variables :data:`_BASE_ENV` names (its own, the file's
+    ``env`` and secrets, come on top).
+
+    Args:
+        environ: the host's environment (its agent's).
+
+    Returns:
+        The variables kept.
+    """
+    return {k: v for k, v in environ.items() if _BASE_ENV.fullmatch(k)}
 
 
 async def launch_worker(

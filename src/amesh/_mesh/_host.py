@@ -136,7 +136,7 @@ class Host(Protocol):
     (``async sync_workspace(slots)``: sends it, and returns each slot's ``(old tree,
     new tree)``, ``("", "")`` for none; see :meth:`ProcMesh.sync`). A host that
     brought machines up for the mesh lets go of them in ``async aclose()``, which the
-    mesh awaits once its processes have stopped.
+    mesh awaits once its processes have stopped, or when its first ones did not start.
     """
 
     async def start_proc(self, rt: Runtime, spec: WorkerSpec) -> ProcHandle:

@@ -270,12 +270,16 @@ class Lifecycle:
             rt.peers.unwatch(p.addr)
             rt.peer_failed(p.addr, failure_of(self.label, slot, p, "was stopped by its owner"))
             _wire.remove_segments_of(p.pid)
-        # a host that brought machines up for this mesh (an environment's) lets go of them
+        await self.close_host()
+        st.closed.set()
+
+    async def close_host(self) -> None:
+        """Have a host that brought machines up for this mesh (an environment's) let go
+        of them: the mesh has stopped, or its first processes did not start."""
         close_host = getattr(self.host, "aclose", None)
         if close_host is not None:
             with anyio.CancelScope(shield=True):
                 await close_host()
-        st.closed.set()
 
     async def move_to_workspace(
         self, agents: ActorMesh[ProcAgent], slots: list[int]

@@ -390,7 +390,11 @@ class ProcMesh(MeshView):
         if self._persistent and getattr(self._host, "mesh_name", None) != self.name:
             assert self.name is not None
             self._set_host(await persistent_host(self.name, len(self._shape)))
-        handles = await self._life.start_procs(rt, list(range(len(self._shape))))
+        try:
+            handles = await self._life.start_procs(rt, list(range(len(self._shape))))
+        except BaseException:
+            await self._life.close_host()  # (no mesh to stop: nothing else would)
+            raise
         st = self._state = MeshState(rt, tg, handles)
         self._taken_over = None
         self._supervise_state(st)
