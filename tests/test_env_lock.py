@@ -87,13 +87,13 @@ BACKEND = textwrap.dedent(
 )
 
 
-def write_sdist(folder: Path) -> Path:
-    """An sdist (no wheel) of ``srconly`` 2.0 with an in-tree backend, in ``folder``."""
+def write_sdist(folder: Path, backend: str = BACKEND) -> Path:
+    """An sdist (no wheel) of ``srconly`` 2.0 with an in-tree ``backend``, in ``folder``."""
     top = "srconly-2.0"
     files = {
         "pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "backend"\n'
         'backend-path = ["."]\n[project]\nname = "srconly"\nversion = "2.0"\n',
-        "backend.py": BACKEND,
+        "backend.py": backend,
         "PKG-INFO": "Metadata-Version: 2.1\nName: srconly\nVersion: 2.0\n",
     }
     out = folder / f"{top}.tar.gz"
@@ -186,6 +186,25 @@ def test_wheels_are_fetched_once_and_a_changed_one_again(links: Path, tmp_path: 
     again = fetch_wheels(lock, cache=cache, find_links=[links], no_index=True)
     assert again == wheels
     assert hashlib.sha256(bad.read_bytes()).hexdigest() == wheels[1].sha256
+
+
+def test_a_package_whose_wheel_fails_to_build_is_named_and_nothing_is_cached(
+    links: Path, tmp_path: Path
+) -> None:
+    """An sdist whose build fails (a missing compiler, say): the error names it, and
+    the cache keeps nothing of it (the next open builds it again)."""
+    broken = BACKEND.replace(
+        "    files, name = _files()",
+        '    raise RuntimeError("no C compiler here")\n    files, name = _files()',
+    )
+    assert broken != BACKEND
+    write_sdist(links, broken)
+    spec = load_spec(env_file(tmp_path, '["srconly"]'))
+    cache = tmp_path / "cache"
+    with pytest.raises(EnvError, match=r"(?s)srconly.*no C compiler here"):
+        lock = lock_env(spec, include_amesh=False, find_links=[links], no_index=True)
+        fetch_wheels(lock, cache=cache, find_links=[links], no_index=True)
+    assert not list(cache.rglob("srconly*.whl"))
 
 
 def test_a_wheel_whose_hash_is_not_the_locks_is_refused(links: Path, tmp_path: Path) -> None:
