@@ -13,3 +13,10 @@ fi
 # controller, zygote and exec'd worker would compile ~60 modules again (~0.1 s each
 # start). Python ignores a stale .pyc after an edit (it checks the source's mtime).
 .venv/bin/python -m compileall -q src/amesh
+# A real package from PyPI for the environment tests on hosts that lack it
+# (tests/env_targets.py): fetched here, once, into the tests' wheelhouse, so that the
+# tests themselves resolve and install it offline.
+if [ ! -f .cache/test-wheels/tomli_w-1.0.0-py3-none-any.whl ]; then
+    .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps \
+        --only-binary=:all: -d .cache/test-wheels 'tomli-w==1.0.0'
+fi

@@ -30,11 +30,11 @@ HIDE = (
     '&& mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /run && shift && exec "$@"'
 )
 #: what a node says to LOOKUP when it has nothing but the system's Python
-NOTHING = f"{SYSTEM_PYTHON} [True, True, True, True] False"
+NOTHING = f"{SYSTEM_PYTHON} [True, True, True, True, True] False"
 LOOKUP = (
     "import importlib.util as u, os, sys; "
     "print(sys.executable, [u.find_spec(m) is None for m in "
-    "('amesh', 'msgspec', 'tinypkg', 'uv')], os.path.exists('/work/main'))"
+    "('amesh', 'msgspec', 'tinypkg', 'uv', 'tomli_w')], os.path.exists('/work/main'))"
 )
 
 PROBE = """

@@ -7,6 +7,7 @@ fetch it from offline; a controller that listens on the cluster's network."""
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,10 @@ __all__ = [
     "wait_jobs",
 ]
 
+#: the real package from PyPI the environment needs (scripts/setup.sh fetched it)
+PYPI_WHEEL = "tomli_w-1.0.0-py3-none-any.whl"
+ROOT = Path(__file__).resolve().parent.parent
+
 SECRET = "CLUSTER_TEST_TOKEN"
 SECRET_VALUE = "tok-cluster-9b2e41"
 
@@ -50,6 +55,7 @@ class Probe(amesh.Actor):
     @amesh.endpoint
     def where(self) -> dict:
         import tinypkg
+        import tomli_w
         import wsmod
 
         return {{
@@ -57,6 +63,7 @@ class Probe(amesh.Actor):
             "python": sys.executable,
             "amesh": amesh.__file__,
             "tinypkg": tinypkg.VALUE,
+            "tomli_w": tomli_w.__file__,
             "wsmod": wsmod.VALUE,
             "greeting": os.environ.get("GREETING"),
             "secret": os.environ.get("{SECRET}"),
@@ -68,7 +75,7 @@ ENV_FILE = f"""\
 format = 1
 name = "clustertest"
 python = ">=3.11"
-dependencies = ["tinypkg==1.0"]
+dependencies = ["tinypkg==1.0", "tomli-w==1.0.0"]
 env = {{ GREETING = "hello" }}
 secrets = ["{SECRET}"]
 
@@ -80,9 +87,14 @@ paths = ["../project"]
 
 @pytest.fixture(scope="module")
 def links(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheelhouse: amesh's dependencies repacked from this interpreter, and
-    ``tinypkg``, which no host has (environments are locked and fetched offline)."""
+    """A wheelhouse: amesh's dependencies repacked from this interpreter, ``tinypkg``,
+    which no host has, and a real package from PyPI, ``tomli-w``, which no host has
+    either, fetched once by scripts/setup.sh (environments are locked and fetched
+    offline)."""
     out = tmp_path_factory.mktemp("links")
+    fetched = ROOT / ".cache" / "test-wheels" / PYPI_WHEEL
+    assert fetched.is_file(), f"{fetched} is missing: scripts/setup.sh fetches it"
+    shutil.copy(fetched, out / PYPI_WHEEL)
     for dep in dependencies_of("amesh"):
         repack(dep, out)
     tiny_wheel(out, "tinypkg", "1.0", {"tinypkg/__init__.py": "VALUE = 41\n"})
@@ -165,13 +177,15 @@ async def probe_target(
 
 def check_probes(seen: list[dict[str, Any]], env: Environment, hosts: list[str], ws: int) -> None:
     """Every rank of ``seen`` ran on its own of ``hosts`` in the environment's venv
-    (amesh too: the launcher brought it), imported ``tinypkg`` and the workspace's
+    (amesh too: the launcher brought it), imported ``tinypkg``, ``tomli_w`` (from
+    PyPI, installed in the venv) and the workspace's
     ``wsmod`` (``VALUE = ws``), and has the setting and the secret."""
     venv = f"/root/.cache/amesh/depot/venvs/{env.hash}"
     assert sorted(s["host"] for s in seen) == sorted(hosts)
     for s in seen:
         assert (s["python"], s["tinypkg"], s["wsmod"]) == (f"{venv}/bin/python", 41, ws)
         assert s["amesh"].startswith(f"{venv}/lib/")
+        assert s["tomli_w"].startswith(f"{venv}/lib/")  # (PyPI's, into the venv)
         assert (s["greeting"], s["secret"]) == ("hello", SECRET_VALUE)
 
 
