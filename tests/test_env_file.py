@@ -87,7 +87,27 @@ def test_a_full_file_reads_into_typed_targets(tmp_path: Path) -> None:
 def test_a_minimal_file_takes_the_defaults() -> None:
     spec = parse_spec('name = "x"\n')
     assert (spec.python, spec.dependencies, spec.targets) == ("", (), {})
-    assert spec.workspace.paths == (".",)
+    assert spec.workspace.paths == ()  # (the project's directory, see workspace_roots)
+
+
+def test_the_workspace_is_the_project_s_directory_unless_the_file_names_paths(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "project"
+    (project / "envs").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("[project]\nname = 'p'\n")
+    in_envs = project / "envs" / "x.toml"
+    in_envs.write_text('name = "x"\n')
+    assert load_spec(in_envs).workspace_roots() == [project.resolve()]
+    in_envs.write_text('name = "x"\n[workspace]\npaths = ["../src", "data.csv"]\n')
+    assert load_spec(in_envs).workspace_roots() == [
+        project.resolve() / "envs" / "../src",
+        project.resolve() / "envs" / "data.csv",
+    ]
+    alone = tmp_path / "elsewhere" / "amesh.toml"  # no project around it: its folder
+    alone.parent.mkdir()
+    alone.write_text('name = "y"\n')
+    assert load_spec(alone).workspace_roots() == [alone.parent.resolve()]
 
 
 BAD = {

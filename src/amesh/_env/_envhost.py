@@ -119,7 +119,7 @@ class EnvHost:
         return f"environment {self.env.spec.name}, target {self.target_name!r}"
 
     def _roots(self) -> list[Path]:
-        return [self.env.spec.resolve(p) for p in self.env.spec.workspace.paths]
+        return self.env.spec.workspace_roots()
 
     async def _scan(self) -> Any:
         roots, excludes = self._roots(), list(self.env.spec.workspace.exclude)

@@ -22,15 +22,12 @@ from .._mesh import ProcMesh
 from .._shape import Shape
 from ._base import EnvError
 from ._envhost import EnvHost, Fetching
-from ._file import EnvSpec, LocalTarget, Target, load_spec
+from ._file import PROJECT_MARKERS, EnvSpec, LocalTarget, Target, load_spec
 from ._lock import env_hash
 from ._open import Env, lock_env, open_env
 from ._targets import check_launcher, host_count
 
 __all__ = ["Environment", "find_env_file", "read_secrets_file", "secret_values"]
-
-#: what makes a folder a project's root, where the search for an environment stops
-_PROJECT_MARKERS = (".git", "pyproject.toml")
 
 
 def find_env_file(name_or_path: str | os.PathLike[str], start: Path | None = None) -> Path:
@@ -59,7 +56,7 @@ def find_env_file(name_or_path: str | os.PathLike[str], start: Path | None = Non
         if top.is_file() and load_spec(top).name == text:
             return top
         looked.append(str(folder))
-        if any((folder / marker).exists() for marker in _PROJECT_MARKERS):
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
             break
     raise EnvError(
         f"no environment {text!r}: no envs/{text}.toml, nor an amesh.toml named "

@@ -55,12 +55,13 @@ class Workspace(msgspec.Struct, frozen=True, kw_only=True):
     """What of the controller's files travels to the hosts.
 
     Attributes:
-        paths: directories or files, relative to the environment file's directory.
+        paths: directories or files, relative to the environment file's directory;
+            none: the project's directory (see :meth:`EnvSpec.workspace_roots`).
         exclude: gitignore-style patterns of what not to send (each path's
             ``.gitignore`` counts too).
     """
 
-    paths: tuple[str, ...] = (".",)
+    paths: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
 
 
@@ -182,6 +183,26 @@ class EnvSpec(msgspec.Struct, frozen=True, kw_only=True):
     def resolve(self, path: str) -> FsPath:
         """``path`` of the file (a workspace path, a key file) as a path on this machine."""
         return self.root / FsPath(path).expanduser()
+
+    def workspace_roots(self) -> list[FsPath]:
+        """The workspace's paths on this machine; when the file names none, the
+        project's directory (:func:`project_root` of the file's)."""
+        if self.workspace.paths:
+            return [self.resolve(p) for p in self.workspace.paths]
+        return [project_root(self.root)]
+
+
+#: what makes a folder a project's root
+PROJECT_MARKERS = (".git", "pyproject.toml")
+
+
+def project_root(start: FsPath) -> FsPath:
+    """The project that ``start`` is in: the first folder from it up that holds
+    ``.git`` or ``pyproject.toml``; ``start`` itself if none does."""
+    for folder in (start, *start.parents):
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            return folder
+    return start
 
 
 class _Checker:
