@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import importlib.metadata
 import os
 import platform
 import secrets
@@ -21,7 +20,7 @@ from .._config import settings
 from ._base import EnvError
 from ._file import EnvSpec, parse_spec
 from ._hub import Hub, Meta, Stored, check_hash, check_name, open_hub, version_hash
-from ._lock import Lock, env_hash, lock_path, this_platform
+from ._lock import Lock, amesh_version, env_hash, lock_path, this_platform
 from ._open import stale_reason
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
@@ -108,7 +107,7 @@ def _push(path: Path, hub: Hub) -> int:
         environment=env_hash(spec, lock),
         pushed_by=f"{getpass.getuser()}@{socket.gethostname()}",
         time=datetime.now(UTC).isoformat(timespec="microseconds"),
-        amesh=importlib.metadata.version("amesh"),
+        amesh=amesh_version(),
         python=platform.python_version(),
         platform=this_platform(),
         parent=parent if parent != digest else None,

@@ -24,7 +24,6 @@ and speak with the same msgspec), so that the hosts need nothing but a Python.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import re
 import subprocess
@@ -196,9 +195,18 @@ def this_platform() -> str:
     return sysconfig.get_platform()
 
 
+def amesh_version() -> str:
+    """The version of the amesh this controller runs."""
+    import importlib.metadata
+
+    return importlib.metadata.version("amesh")
+
+
 def amesh_requirements() -> list[str]:
     """amesh's own runtime requirements (not its extras'), each pinned to the version
     this controller runs where it is installed (markers kept)."""
+    import importlib.metadata  # (9 ms: not for every `import amesh`)
+
     out = []
     for text in importlib.metadata.requires("amesh") or []:
         spec, _, marker = text.partition(";")
@@ -265,7 +273,7 @@ def resolve(
             "run the controller's Python"
         )
     amesh = amesh_requirements() if include_amesh else []
-    version = importlib.metadata.version("amesh") if include_amesh else ""
+    version = amesh_version() if include_amesh else ""
     platform = this_platform()
     with tempfile.TemporaryDirectory(prefix="amesh-lock-") as tmp:
         wanted = Path(tmp) / "requirements.in"

@@ -158,6 +158,20 @@ def _pip(args: Sequence[str], what: str) -> None:
         raise EnvError(f"{what}:\n{(done.stderr or done.stdout).strip()}")
 
 
+def _pip_wheel(args: Sequence[str], out: Path, what: str) -> Path:
+    """The one wheel that ``pip wheel --no-deps ARGS`` builds into ``out`` (of
+    ``what``, as errors name it).
+
+    Raises:
+        EnvError: the build failed (with pip's own words), or made no wheel or several.
+    """
+    _pip(["wheel", "--no-deps", "-w", str(out), *args], f"building a wheel of {what} failed")
+    built = list(out.glob("*.whl"))
+    if len(built) != 1:
+        raise EnvError(f"building {what} made {len(built)} wheels, not one")
+    return built[0]
+
+
 def _sources(find_links: Iterable[str | Path], no_index: bool) -> list[str]:
     out = [arg for link in find_links for arg in ("--find-links", str(link))]
     return [*out, "--no-index"] if no_index else out
@@ -205,14 +219,7 @@ def _download(
 
 def _build_sdist(cache: Path, sdist: Path, sha: str, sources: list[str], tmp: Path) -> Wheel:
     built = Path(tempfile.mkdtemp(dir=tmp, prefix="built-"))
-    _pip(
-        ["wheel", "--no-deps", "-w", str(built), str(sdist), *sources],
-        f"building a wheel of {sdist.name} failed",
-    )
-    wheels = list(built.glob("*.whl"))
-    if len(wheels) != 1:
-        raise EnvError(f"building {sdist.name} made {len(wheels)} wheels, not one")
-    wheel = _insert(cache / "wheels", wheels[0])
+    wheel = _insert(cache / "wheels", _pip_wheel([str(sdist), *sources], built, sdist.name))
     _point(cache, "built", sha, wheel)
     return wheel
 
@@ -327,14 +334,7 @@ def amesh_wheel(cache: Path | None = None, source: Path | None = None) -> Wheel:
             target = tree / path.relative_to(root)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
-        out = Path(tmp) / "out"
-        _pip(
-            ["wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(tree)],
-            f"building a wheel of {root} failed",
-        )
-        built = list(out.glob("*.whl"))
-        if len(built) != 1:
-            raise EnvError(f"building {root} made {len(built)} wheels, not one")
-        wheel = _insert(cache / "wheels", built[0])
+        built = _pip_wheel(["--no-build-isolation", str(tree)], Path(tmp) / "out", str(root))
+        wheel = _insert(cache / "wheels", built)
     _point(cache, "amesh", key, wheel)
     return wheel

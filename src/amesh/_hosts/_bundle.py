@@ -10,10 +10,7 @@ same bundle, by any controller, finds it made.
 
 from __future__ import annotations
 
-import email.parser
 import hmac
-import http.server
-import importlib.metadata as md
 import os
 import threading
 import zipfile
@@ -21,9 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._depot import file_digest, repack
 from ._bootstrap_host import AUTH_HEADER, bundle_digest, sign
+
+if TYPE_CHECKING:
+    import http.server
 
 __all__ = ["AgentBundle", "LaunchServer", "agent_bundle"]
 
@@ -62,15 +63,19 @@ class AgentBundle:
 
 def _wheel_requires(wheel: Path) -> list[str]:
     """The ``Requires-Dist`` lines of ``wheel``'s metadata."""
+    from email.parser import BytesParser  # (what only a launch needs is imported then)
+
     with zipfile.ZipFile(wheel) as z:
         name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        metadata = email.parser.BytesParser().parsebytes(z.read(name), headersonly=True)
+        metadata = BytesParser().parsebytes(z.read(name), headersonly=True)
     return metadata.get_all("Requires-Dist") or []
 
 
 def _requirements_of(requires: list[str], extras: Sequence[str]) -> list[str]:
     """The distributions that ``requires`` (with ``extras``) need, as installed here,
     recursively."""
+    import importlib.metadata as md
+
     from packaging.requirements import Requirement  # (the env extra)
 
     seen: dict[str, None] = {}
@@ -129,6 +134,8 @@ class LaunchServer:
         bundle: AgentBundle,
         on_agent: Callable[[str, str], None],
     ) -> None:
+        import http.server
+
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
